@@ -1,0 +1,14 @@
+"""CuTe DSL decode kernels, one file per fused kernel.
+
+Each file holds its compile key (a frozen dataclass), `build(key)` (the CuTe
+DSL code; imports cutlass only when called), the keys compiled ahead of time,
+and a torch-facing entry point that validates its inputs before any launch.
+Importing this package registers every kernel with `kimi_decode.compile`; it
+does not need the CuTe DSL compiler.
+"""
+
+from . import attn_res, gemv  # noqa: F401  (registers the kernels)
+from .attn_res import attn_res_fused
+from .gemv import gemv
+
+__all__ = ["attn_res_fused", "gemv"]
