@@ -207,3 +207,14 @@ def layer_bytes(layer: str, shard: ShardSpec | None = None, shape: DecodeShape |
         resident_weights=attn_res_weight_bytes(c) + attn_w + mlp_rep + shared + routed_resident,
         resident_kv=res_kv, resident_state=res_state,
     )
+
+
+def byte_table(tps=(8, 16), shape: DecodeShape | None = None, layers=LAYER_KINDS):
+    """A pandas DataFrame: one row per (layer, tp) with streamed/resident bytes and the H200 floor."""
+    import pandas as pd
+
+    rows = []
+    for tp in tps:
+        for layer in layers:
+            rows.append(layer_bytes(layer, ShardSpec(tp=tp), shape).as_dict())
+    return pd.DataFrame(rows)

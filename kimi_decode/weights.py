@@ -250,7 +250,7 @@ def _kda(cfg: KimiK3Config, sh: ShardSpec, dr: _Draw) -> KDAWeights:
         in_proj=in_proj,
         f_b=dr.linear("f_b", P, f, f, split=True),
         conv1d=conv,
-        A_log=torch.log(dr.uniform("A_log", (H,), 1.0, 16.0, split=True)),
+        A_log=torch.log(dr.uniform("A_log", (H,), 0.1, 1.0, split=True)),
         dt_bias=dr.normal("dt_bias", (P,), std=0.5, split=True),
         o_norm=dr.norm("o_norm", D),
         o_proj=dr.linear("o_proj", d, P, cfg.kda_proj_size, split=True),

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+import torch
+
+from kimi_decode.config import KimiK3Config
+
+# keep CPU tests deterministic and within the 2-core CI machine
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200 via the offline bundle)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> KimiK3Config:
+    return KimiK3Config.tiny()
+

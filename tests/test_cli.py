@@ -1,0 +1,56 @@
+"""The command line: demo, bytes, check, matrix, --help on each."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kimi_decode.cli import build_parser, main
+from kimi_decode.config import DecodeShape
+from kimi_decode.demo import format_demo, run_demo
+
+
+def test_help_for_every_command(capsys):
+    ap = build_parser()
+    sub = next(a for a in ap._actions if a.dest == "command")
+    for name in sub.choices:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0
+        assert "usage: kimi-decode " + name in capsys.readouterr().out
+
+
+def test_bytes_json(capsys):
+    assert main(["bytes", "--layer", "mla_moe", "--tp", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["weights_streamed"] == 268_372_480 and d["floor_us_h200"] > 60
+
+
+def test_bytes_table(capsys):
+    assert main(["bytes", "--layer", "dense", "--tp", "16", "--batch", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "148,270,360" in out and "batch 4" in out
+
+
+def test_matrix(capsys):
+    assert main(["matrix"]) == 0
+    out = capsys.readouterr().out
+    assert "1..64" in out and "sm_90a" in out
+
+
+@pytest.mark.slow
+def test_demo_real_shapes():
+    shape = DecodeShape(1, 1, 4096)
+    df = run_demo(tp=8, shape=shape, progress=False)
+    assert list(df.layer) == ["dense", "kda_moe", "mla_moe"]
+    assert list(df.weight_bytes_streamed) == [294_390_064, 296_465_200, 268_372_480]
+    assert (df.h200_floor_us > 60).all() and (df.reference_step_s > 0).all()
+    text = format_demo(df, 8, shape)
+    assert "H200 floor" in text and "296,465,200" in text
+
+
+def test_console_script_check():
+    r = subprocess.run([sys.executable, "-m", "kimi_decode.cli", "check", "--tp", "4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unsupported tp: 4" in r.stderr

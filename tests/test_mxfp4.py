@@ -1,0 +1,61 @@
+"""MXFP4 packing exactly as kimi_k3_layer.md §6.2."""
+
+import pytest
+import torch
+
+from kimi_decode import mxfp4
+
+
+def test_e2m1_table_and_nibble_order():
+    codes = torch.arange(16, dtype=torch.uint8)
+    vals = mxfp4.e2m1_decode(codes)
+    assert vals[:8].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
+    assert vals[8:].tolist() == [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    # byte = code[2i] | code[2i+1] << 4: the even element is the low nibble
+    packed = torch.tensor([[0x71] + [0] * 15], dtype=torch.uint8)  # codes 1 (0.5) then 7 (6.0)
+    scales = torch.tensor([[127]], dtype=torch.uint8)
+    w = mxfp4.unpack(packed, scales)
+    assert w.shape == (1, 32) and w[0, 0] == 0.5 and w[0, 1] == 6.0
+
+
+def test_e8m0_scales():
+    packed = torch.full((1, 32), 0x22, dtype=torch.uint8)  # every code 2 -> 1.0
+    scales = torch.tensor([[127, 130]], dtype=torch.uint8)
+    w = mxfp4.unpack(packed, scales)
+    assert torch.all(w[0, :32] == 1.0) and torch.all(w[0, 32:] == 8.0)
+
+
+def test_exact_round_trip_bytes():
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (37, 64, 48), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (37, 64, 3), generator=g, dtype=torch.uint8)
+    w = mxfp4.unpack(packed, scales)
+    p2, s2 = mxfp4.pack(w, scales)
+    assert torch.equal(p2, packed) and torch.equal(s2, scales)
+
+
+def test_quantise_is_idempotent_and_close():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 256, generator=g)
+    p, s = mxfp4.pack(w)
+    q = mxfp4.unpack(p, s)
+    assert torch.equal(mxfp4.unpack(*mxfp4.pack(q)), q)  # quantised values are fixed points
+    # every group's scale is the smallest power of two that fits max|w| into ±6
+    amax = w.abs().unflatten(-1, (-1, 32)).amax(-1)
+    sv = mxfp4.scale_values(s)
+    assert torch.all(amax <= 6 * sv) and torch.all(amax > 3 * sv)
+    assert float((q - w).norm() / w.norm()) < 0.15
+
+
+def test_round_half_to_even():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, 7.0])
+    vals = mxfp4.e2m1_decode(mxfp4.encode_e2m1(x))
+    assert vals.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, 6.0]
+
+
+def test_bad_shapes_refused():
+    with pytest.raises(ValueError):
+        mxfp4.unpack(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        mxfp4.unpack(torch.zeros(2, 16), torch.zeros(2, 1, dtype=torch.uint8))
+    assert mxfp4.packed_nbytes(384, 3584) == 384 * (1792 + 112)
