@@ -64,6 +64,50 @@ def _cmd_check(args) -> int:
     return 0
 
 
+def _cmd_inventory(args) -> int:
+    from .inventory import inventory
+
+    df = inventory(args.layer, args.tp, DecodeShape(args.batch, args.tokens, args.context), args.executor)
+    if args.json:
+        print(json.dumps({"layer": args.layer, "tp": args.tp, "executor": args.executor,
+                          "launches": df.to_dict(orient="records"), "count": len(df)}, indent=2))
+        return 0
+    print(f"{args.executor} schedule, {args.layer} layer, TP{args.tp} rank, batch {args.batch} x {args.tokens} "
+          f"token(s), context {args.context}")
+    print(df.to_string(index=False, formatters={"bytes_read": "{:,}".format, "bytes_written": "{:,}".format,
+                                                "flops": "{:,}".format}))
+    print(f"total: {len(df)} launches, {df.bytes_read.sum() + df.bytes_written.sum():,} bytes")
+    return 0
+
+
+def _executor_factory(name: str):
+    if name == "stock":
+        from .stock.schedule import StockLayer
+        return StockLayer
+    if name == "compile":
+        from .compile_peer import CompilePeer
+        return lambda w, st: CompilePeer(w, st, compile=True, mode="default")
+    raise ValueError(f"unknown executor {name!r}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _cmd_sweep(args) -> int:
+    from .sweeps import run_sweep, stock_configs
+
+    configs = stock_configs(kinds=tuple(args.layers.split(",")), tps=_ints(args.tps), batches=_ints(args.batches),
+                            contexts=_ints(args.contexts))
+    if args.tokens != 1:
+        configs = [(k, t, DecodeShape(s.batch, args.tokens, s.context_lens)) for k, t, s in configs]
+    df = run_sweep(_executor_factory(args.executor), args.executor, configs, out_csv=args.out,
+                   replays=args.replays, progress=not args.no_progress)
+    print(f"{len(df)} configurations, {int(df.check_ok.sum())} passed the reference check"
+          + (f"; written to {args.out}" if args.out else ""))
+    return 0 if bool(df.check_ok.all()) else 1
+
+
 def _cmd_matrix(args) -> int:
     for row in support_matrix():
         print(f"{row.axis:<20} {row.supported}")
@@ -109,6 +153,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="activation dtype (default bfloat16)")
     p.add_argument("--arch", default=None, help="GPU arch to check, e.g. sm_90a (default: not checked)")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("inventory", help="list every launch of an executor for one layer's decode step",
+                       description="Every kernel launch of the chosen executor for one decode step of one layer on "
+                                   "one rank, in order: label, the vLLM op it stands for, implementation, stream, "
+                                   "bytes read/written, FLOPs; and the total count.")
+    p.add_argument("--layer", required=True, choices=LAYER_KINDS)
+    p.add_argument("--tp", type=int, default=8, help="8 or 16 (default 8)")
+    p.add_argument("--executor", default="stock", choices=["stock"])
+    _add_shape_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_inventory)
+
+    p = sub.add_parser("sweep", help="check and time an executor over layers, TP, batch and context (GPU)",
+                       description="For each configuration: check against the fp32 reference (NaN-poisoned outputs), "
+                                   "then time it under CUDA graphs (layer copies rotated through L2, CUDA events, "
+                                   "median of replays), count the kernels in the captured graph, and report GB/s "
+                                   "and the fraction of the memory floor. Writes a CSV with provenance.")
+    p.add_argument("--executor", default="stock", choices=["stock", "compile"],
+                   help="stock: the stock-vLLM schedule; compile: the reference under torch.compile")
+    p.add_argument("--layers", default="dense,kda_moe,mla_moe")
+    p.add_argument("--tps", default="8,16")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--contexts", default="8192,32768", help="MLA contexts (KDA layers use the first)")
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--out", default=None, help="CSV to write (e.g. data/measured/stock_h200.csv)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("matrix", help="print the support matrix")
     p.set_defaults(func=_cmd_matrix)

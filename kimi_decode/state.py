@@ -129,7 +129,7 @@ def make_kda_state(cfg: KimiK3Config, shard: ShardSpec, batch: int, seed: int = 
 
 
 def make_mla_cache(cfg: KimiK3Config, shape: DecodeShape, seed: int = 0, layer: int = 0,
-                   block_size: int = MLA_BLOCK_SIZE) -> MLAKVCache:
+                   block_size: int = MLA_BLOCK_SIZE, device="cpu") -> MLAKVCache:
     """Random paged latent cache holding each sequence's context, with room for the step."""
     g = _gen(seed, "mla", layer)
     ctx = torch.tensor(shape.context_per_seq, dtype=torch.int64)
@@ -143,6 +143,10 @@ def make_mla_cache(cfg: KimiK3Config, shape: DecodeShape, seed: int = 0, layer: 
         n = int(need[b])
         table[b, :n] = perm[off:off + n]
         off += n
+    if str(device).startswith("cuda"):  # long contexts: draw the cache on the GPU
+        gd = torch.Generator(device=device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+        kv = torch.randn(total, block_size, cfg.mla_latent_dim, generator=gd, device=device).to(torch.bfloat16)
+        return MLAKVCache(kv=kv, block_table=table.to(device), context_lens=ctx.to(device), block_size=block_size)
     kv = torch.randn(total, block_size, cfg.mla_latent_dim, generator=g).to(torch.bfloat16)
     return MLAKVCache(kv=kv, block_table=table, context_lens=ctx, block_size=block_size)
 
@@ -167,7 +171,7 @@ def make_decode_state(kind: str, shard: ShardSpec, shape: DecodeShape, seed: int
     if kind in ("dense", "kda_moe"):
         st.kda = make_kda_state(cfg, shard, shape.batch, seed, layer)
     else:
-        st.mla = make_mla_cache(cfg, shape, seed, layer)
+        st.mla = make_mla_cache(cfg, shape, seed, layer, device=device)
     return st.to(device) if str(device) != "cpu" else st
 
 

@@ -36,8 +36,13 @@ def _generator(seed: int, *key) -> torch.Generator:
 class _Draw:
     """Draws the tensors of one layer on one rank."""
 
+    device = "cpu"
+
     def __init__(self, seed: int, layer: int, rank: int):
         self.seed, self.layer, self.rank = seed, layer, rank
+
+    def zeros(self, *shape, dtype=torch.bfloat16) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=self.device)
 
     def gen(self, name: str, split: bool) -> torch.Generator:
         key = (self.layer, name, self.rank) if split else (self.layer, name)
@@ -64,6 +69,27 @@ class _Draw:
         words = torch.empty(n8, dtype=torch.int64).random_(-(2 ** 63), 2 ** 63 - 1,
                                                           generator=self.gen(name, split))
         return words.view(torch.uint8)[:n].reshape(shape)
+
+
+class _MetaDraw(_Draw):
+    """Shapes and dtypes only (device "meta"): for launch inventories and byte counts at real size."""
+
+    device = "meta"
+
+    def linear(self, name, rows, cols, fan_in, split):
+        return torch.empty(rows, cols, dtype=torch.bfloat16, device="meta")
+
+    def norm(self, name, n):
+        return torch.empty(n, dtype=torch.bfloat16, device="meta")
+
+    def normal(self, name, shape, std, mean=0.0, split=False, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def uniform(self, name, shape, lo, hi, split):
+        return torch.empty(*shape, dtype=torch.float32, device="meta")
+
+    def random_bytes(self, name, shape, split):
+        return torch.empty(*shape, dtype=torch.uint8, device="meta")
 
 
 @dataclass
@@ -241,7 +267,7 @@ def _kda(cfg: KimiK3Config, sh: ShardSpec, dr: _Draw) -> KDAWeights:
         dr.linear("in_proj.g_out", P, d, d, split=True),
         dr.linear("in_proj.f_a", f, d, d, split=False),
         dr.linear("in_proj.b", H, d, d, split=True),
-        torch.zeros(sh.kda_in_proj_pad, d, dtype=torch.bfloat16),
+        dr.zeros(sh.kda_in_proj_pad, d),
     ]
     in_proj = torch.cat(rows, 0)
     conv = torch.cat([dr.normal(f"conv1d.{p}", (P, cfg.short_conv_kernel_size), std=0.5, split=True)
@@ -339,7 +365,7 @@ def make_layer_weights(kind: str, shard: ShardSpec | None = None, seed: int = 0,
     layer = cfg.representative_layer(kind) if layer is None else layer
     if cfg.layer_kind(layer) != kind:
         raise ValueError(f"layer {layer} is {cfg.layer_kind(layer)}, not {kind}")
-    dr = _Draw(seed, layer, shard.rank)
+    dr = _MetaDraw(seed, layer, shard.rank) if str(device) == "meta" else _Draw(seed, layer, shard.rank)
     w = LayerWeights(kind=kind, layer=layer, shard=shard, attn_res=_attn_res(cfg, dr), seed=seed)
     if kind in ("dense", "kda_moe"):
         w.kda = _kda(cfg, shard, dr)
@@ -349,7 +375,7 @@ def make_layer_weights(kind: str, shard: ShardSpec | None = None, seed: int = 0,
         w.dense = _dense(cfg, shard, dr)
     else:
         w.moe = _moe(cfg, shard, dr)
-    return w.to(device) if str(device) != "cpu" else w
+    return w.to(device) if str(device) not in ("cpu", "meta") else w
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Timing one decode step of a layer under CUDA graphs (the field's standard).
+
+- `copies` instances of the layer, each with its own weights, state and buffers,
+  are captured back to back in one CUDA graph, so consecutive layers never find
+  each other's bytes in the 60 MB L2 (the copies together stream many times L2).
+- The graph is replayed after a warm-up; each replay is timed with CUDA events;
+  the per-layer time is replay time / copies; median, p10 and p90 over replays.
+- Kernels per layer are counted from the captured graph itself (kernel nodes in
+  the `cudaGraph_t`, read through the CUDA driver API), not from the inventory.
+- Achieved bandwidth is the bytes the step must move (`byte_counts.layer_bytes`,
+  with the active experts of the actual routing) over the median time; the floor
+  is the same bytes at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# CUgraphNodeType (cuda.h)
+_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
+               6: "wait_event", 7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait",
+               10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op", 13: "conditional"}
+
+
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def graph_node_counts(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """Node types of a captured graph (needs `CUDAGraph(keep_graph=True)`), e.g. {'kernel': 22, 'empty': 4}."""
+    lib = _libcuda()
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    rc = lib.cuGraphGetNodes(handle, None, ctypes.byref(n))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphGetNodes failed with CUresult {rc}")
+    nodes = (ctypes.c_void_p * n.value)()
+    rc = lib.cuGraphGetNodes(handle, nodes, ctypes.byref(n))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphGetNodes failed with CUresult {rc}")
+    counts: dict[str, int] = {}
+    t = ctypes.c_int(0)
+    for node in nodes:
+        rc = lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
+        if rc != 0:
+            raise RuntimeError(f"cuGraphNodeGetType failed with CUresult {rc}")
+        name = _NODE_TYPES.get(t.value, f"type{t.value}")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median of `repeats`)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+@dataclass
+class GraphTiming:
+    us_median: float  # per layer
+    us_p10: float
+    us_p90: float
+    replays: int
+    copies: int
+    kernels_per_layer: float
+    node_counts: dict
+
+
+def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: int = 5,
+               progress: bool = False) -> GraphTiming:
+    """Capture `step_fns` (one per layer copy) in one CUDA graph; time its replays."""
+    copies = len(step_fns)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the graph (Triton compiles, cuBLAS handles)
+        for f in step_fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        for f in step_fns:
+            f()
+    counts = graph_node_counts(g)
+    g.instantiate()
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    it = range(replays)
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(it, desc="graph replays", leave=False)
+    for _ in it:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / copies)
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]
+    return GraphTiming(us_median=statistics.median(times), us_p10=q(0.1), us_p90=q(0.9), replays=replays,
+                       copies=copies, kernels_per_layer=counts.get("kernel", 0) / copies, node_counts=counts)
+
+
+def provenance() -> dict:
+    """GPU, driver, CUDA, torch, Triton, cutlass-dsl, git commit, UTC time, host."""
+    info = {"utc_time": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "host": platform.node()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count)
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout.strip()
+            info["driver"] = out.splitlines()[0] if out else ""
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = ""
+    for mod, key in (("triton", "triton"), ("cutlass", "cutlass_dsl")):
+        try:
+            info[key] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional packages
+            info[key] = ""
+    if not info.get("cutlass_dsl"):
+        try:
+            from importlib.metadata import version
+            info["cutlass_dsl"] = version("nvidia-cutlass-dsl")
+        except Exception:  # noqa: BLE001
+            info["cutlass_dsl"] = ""
+    info["git_commit"] = os.environ.get("KIMI_DECODE_GIT_COMMIT") or _git_commit()
+    return info
+
+
+def _git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
