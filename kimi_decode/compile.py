@@ -68,6 +68,7 @@ class KernelSpec:
     the `@cute.jit` host function and its fake arguments (the stream last).
     `aot_keys(arch)` lists the variants the package uses at decode shapes.
     `ptx_checks` are substrings every variant's PTX must contain.
+    `tuning_keys(arch)` lists extra variants (other tilings) for benchmarks.
     """
 
     name: str
@@ -76,6 +77,7 @@ class KernelSpec:
     build: Callable[[Any], tuple[Callable, tuple]]
     aot_keys: Callable[[str], list]
     ptx_checks: tuple[str, ...] = ()
+    tuning_keys: Callable[[str], list] | None = None  # extra variants built with `build --tuning`
 
 
 _REGISTRY: dict[str, KernelSpec] = {}
@@ -198,18 +200,18 @@ def resolve_arch(arch: str | None) -> str:
 # compile, export, link
 
 
-def compile_options(arch: str, dump_dir: str | None = None) -> str:
+def compile_options(arch: str, dump_dir: str | None = None, keep: tuple[str, ...] = ("ptx",)) -> str:
     opts = f"--enable-tvm-ffi --gpu-arch {arch}"
     if dump_dir is not None:
-        opts += f" --keep-ptx --dump-dir {dump_dir}"
+        opts += "".join(f" --keep-{what}" for what in keep) + f" --dump-dir {dump_dir}"
     return opts
 
 
-def compile_key(key, dump_dir: str | None = None):
+def compile_key(key, dump_dir: str | None = None, keep: tuple[str, ...] = ("ptx",)):
     """Run the CuTe DSL compiler for `key` (no GPU needed). Returns the compiled function.
 
-    With `dump_dir`, the PTX is written there (the folder is created); read it
-    with `compiled.__ptx__` (a path).
+    With `dump_dir`, the artifacts named in `keep` ("ptx", "cubin") are kept
+    (the folder is created); read them as `compiled.__ptx__` / `compiled.__cubin__`.
     """
     import cutlass.cute as cute
 
@@ -217,17 +219,19 @@ def compile_key(key, dump_dir: str | None = None):
     jit_fn, args = spec.build(key)
     if dump_dir is not None:
         os.makedirs(dump_dir, exist_ok=True)
-    return cute.compile(jit_fn, *args, options=compile_options(key.arch, dump_dir))
+    return cute.compile(jit_fn, *args, options=compile_options(key.arch, dump_dir, keep))
 
 
 def ptx_text(key) -> str:
     """Compile `key` and return its PTX text (used by the CI compile check)."""
     with tempfile.TemporaryDirectory(prefix="kd_ptx_") as tmp:
         compiled = compile_key(key, dump_dir=tmp)
-        path = compiled.__ptx__
-        if not path or not os.path.exists(path):
-            raise RuntimeError(f"the compiler wrote no PTX for {key} (looked for {path})")
-        return Path(path).read_text()
+        ptx = compiled.__ptx__  # a path, or (from the compiler's own cache) the text
+        if ptx and ".entry" in ptx:
+            return ptx
+        if not ptx or not os.path.exists(ptx):
+            raise RuntimeError(f"the compiler wrote no PTX for {key} (got {str(ptx)[:200]!r})")
+        return Path(ptx).read_text()
 
 
 def runtime_libraries() -> list[str]:
@@ -253,12 +257,26 @@ def link_shared(objects: list[str], out_path: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
-def export_shared(key, out_dir: str | Path) -> Path:
-    """Compile `key`, export its object with `export_to_c` and link `<symbol>.so` in `out_dir`."""
+def export_shared(key, out_dir: str | Path, cubin_dir: str | Path | None = None) -> Path:
+    """Compile `key`, export its object with `export_to_c` and link `<symbol>.so` in `out_dir`.
+
+    With `cubin_dir`, the device code is also written there as `<symbol>.cubin`
+    (for SASS inspection with cuobjdump/nvdisasm where a CUDA toolkit exists).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sym = symbol_name(key)
-    compiled = compile_key(key)
+    if cubin_dir is None:
+        compiled = compile_key(key)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kd_cubin_") as tmp:
+            compiled = compile_key(key, dump_dir=tmp, keep=("cubin",))
+            cubin = compiled.__cubin__
+            if isinstance(cubin, str) and os.path.exists(cubin):
+                cubin = Path(cubin).read_bytes()
+            if isinstance(cubin, (bytes, bytearray)):
+                Path(cubin_dir).mkdir(parents=True, exist_ok=True)
+                (Path(cubin_dir) / f"{sym}.cubin").write_bytes(cubin)
     obj = out_dir / f"{sym}.o"
     so = out_dir / f"{sym}.so"
     compiled.export_to_c(object_file_path=str(obj), function_name=sym)

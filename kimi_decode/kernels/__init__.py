@@ -8,7 +8,6 @@ does not need the CuTe DSL compiler.
 """
 
 from . import attn_res, gemv  # noqa: F401  (registers the kernels)
-from .attn_res import attn_res_fused
-from .gemv import gemv
 
-__all__ = ["attn_res_fused", "gemv"]
+# entry points: kimi_decode.kernels.gemv.gemv, kimi_decode.kernels.attn_res.attn_res_fused
+__all__ = ["attn_res", "gemv"]

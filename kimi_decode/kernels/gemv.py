@@ -5,15 +5,19 @@
               + residual[m, n]      if residual
     stored bf16, or fp32 with `out_fp32` (the MoE router logits).
 
-Memory-bound at decode batch: one warp per weight row, each lane loads 8
-consecutive bf16 (128-bit `ld.global.v4`) per 256-wide chunk; K is static so
-the chunk loop unrolls and every load of a row is in flight together. M is a
-symbolic size; rows of x are processed in compile-time tiles of `m_tile`
-(grid.y walks the tiles), so for M > m_tile the weights are read M/m_tile
-times — the bandwidth-optimal path is M <= 8 (see docs/toolchain.md).
+Memory-bound at decode batch. A CTA owns `rows` weight rows; its `warps`
+warps split K (warp w reads 256-wide chunks w, w+warps, ...), each lane
+loading 8 consecutive bf16 per chunk (128-bit `ld.global.v4`). K is static, so
+the chunk loop unrolls; `unroll` chunks of every row (and of x) are loaded
+before any arithmetic, which keeps rows·unroll·512 B in flight per warp. Each
+x vector is converted once and used for all `rows` rows. Partial sums meet in
+shared memory; one thread per (row, m) applies the epilogue and stores.
+M is a symbolic size processed in compile-time tiles of `m_tile` (grid.y walks
+the tiles), so for M > m_tile the weights are read ceil(M/m_tile) times: the
+bandwidth-optimal range is M <= 8; M = 9..64 is correct but slower than cuBLAS
+(a tensor-core path is future work; see docs/toolchain.md).
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass
 
@@ -25,7 +29,27 @@ VEC = 8  # bf16 per 128-bit load
 CHUNK = 32 * VEC  # elements of one row a warp reads per step
 MAX_M = 64
 M_TILES = (1, 2, 4, 8)
-WARPS_CHOICES = (4, 2, 1)
+AOT_M_TILES = (1, 8)
+
+
+def default_tiling(n: int, k: int, m_tile: int) -> tuple[int, int, int]:
+    """(rows per CTA, warps per CTA, unroll) for an [n, k] weight and m_tile.
+
+    From the H200 sweeps (data/measured/kernels_gemv_tuning*.csv, kernels_gemv*.csv):
+    M = 1: one row per CTA, 8 chunks in flight per warp, 4 warps splitting K
+           (2 when K/256 is not a multiple of 4: K = 3584 ran 12.4 µs vs 13.2);
+    M = 8: 8 rows per CTA up to K = 7168 (each x vector serves 8 rows), 4 rows
+           beyond (8×12288×7168: 66 µs with 4 rows, 245 µs with 8).
+    """
+    chunks = k // CHUNK
+    if m_tile == 1:
+        rows, unroll = 1, 8
+        warps = 4 if chunks % 4 == 0 or chunks % 2 else 2
+    else:
+        rows, unroll, warps = (8 if k <= 7168 else 4), 1, 4
+    while n % rows:
+        rows //= 2
+    return rows, warps, unroll
 
 
 @dataclass(frozen=True)
@@ -36,18 +60,24 @@ class GemvKey:
     gate: bool = False
     residual: bool = False
     out_fp32: bool = False
-    warps: int = 4  # weight rows (one per warp) per CTA
+    rows: int = 0  # weight rows per CTA (0: default_tiling)
+    warps: int = 0  # warps per CTA, splitting K (0: default_tiling)
+    unroll: int = 0  # chunks loaded ahead per row (0: default_tiling)
     arch: str = "sm_90a"
 
     def __post_init__(self):
         if self.k % VEC:
             raise ValueError(f"K={self.k} must be a multiple of {VEC} (128-bit loads)")
-        if self.n % self.warps:
-            raise ValueError(f"N={self.n} must be a multiple of warps={self.warps}")
-        if self.warps not in WARPS_CHOICES:
-            raise ValueError(f"warps={self.warps} not in {WARPS_CHOICES}")
         if self.m_tile not in M_TILES:
             raise ValueError(f"m_tile={self.m_tile} not in {M_TILES}")
+        rows, warps, unroll = default_tiling(self.n, self.k, self.m_tile)
+        for name, value in (("rows", rows), ("warps", warps), ("unroll", unroll)):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)
+        if self.n % self.rows:
+            raise ValueError(f"N={self.n} must be a multiple of rows={self.rows}")
+        if self.rows * self.m_tile > 32 * self.warps:
+            raise ValueError("rows * m_tile must not exceed the CTA's threads")
 
 
 def build(key: GemvKey):
@@ -55,55 +85,97 @@ def build(key: GemvKey):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, const_expr
 
-    N, K, MT, WARPS = key.n, key.k, key.m_tile, key.warps
-    FULL = K // CHUNK  # chunks every lane reads
-    TAIL = (K % CHUNK) // VEC  # lanes that read one more vector
+    N, K, MT = key.n, key.k, key.m_tile
+    R, WARPS, U = key.rows, key.warps, key.unroll
+    FULL = K // CHUNK  # full 256-wide chunks
+    TAIL = (K % CHUNK) // VEC  # lanes that read one more vector (last, partial chunk)
+    PER_WARP = -(-FULL // WARPS)  # chunk steps per warp (the last may be past FULL: clamped, weighted 0)
+    GROUPS = -(-PER_WARP // U)
     OUT = Float32 if key.out_fp32 else BFloat16
     GATE, RES = key.gate, key.residual
+    RM = R * MT
 
     @cute.kernel
     def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
-        row = bx * WARPS + warp
+        row0 = bx * R
         m0 = by * MT
         M = mX.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
         gW = cute.zipped_divide(mW, (1, VEC))  # ((1, VEC), (N, K / VEC))
         gX = cute.zipped_divide(mX, (1, VEC))
-        acc = cute.make_rmem_tensor((MT,), Float32)
+        acc = cute.make_rmem_tensor((RM,), Float32)
+        for i in cutlass.range_constexpr(RM):
+            acc[i] = Float32(0.0)
+        xrow = []
         for mi in cutlass.range_constexpr(MT):
-            acc[mi] = Float32(0.0)
-        for c in cutlass.range_constexpr(FULL):
-            kv = c * 32 + lane
-            w = gW[(None, (row, kv))].load().to(Float32)
-            for mi in cutlass.range_constexpr(MT):
-                if m0 + mi < M:
-                    x = gX[(None, (m0 + mi, kv))].load().to(Float32)
-                    acc[mi] = acc[mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        if const_expr(TAIL > 0):
-            if lane < TAIL:
-                kv = FULL * 32 + lane
-                w = gW[(None, (row, kv))].load().to(Float32)
+            xrow.append(cutlass.min(m0 + mi, M - 1))  # rows past M compute garbage that is never stored
+        for g in cutlass.range_constexpr(GROUPS):
+            ws = []
+            xs = []
+            live = []
+            for u in cutlass.range_constexpr(U):
+                step = g * U + u
+                if const_expr(step < PER_WARP):
+                    c = warp + step * WARPS
+                    if const_expr((step + 1) * WARPS > FULL):  # some warps run past FULL on this step
+                        live.append(Float32(c < FULL))
+                        c = cutlass.min(c, FULL - 1)
+                    else:
+                        live.append(None)
+                    kv = c * 32 + lane
+                    wr = []
+                    for r in cutlass.range_constexpr(R):
+                        wr.append(gW[(None, (row0 + r, kv))].load())
+                    ws.append(wr)
+                    xr = []
+                    for mi in cutlass.range_constexpr(MT):
+                        xr.append(gX[(None, (xrow[mi], kv))].load())
+                    xs.append(xr)
+            for u in cutlass.range_constexpr(len(ws)):
                 for mi in cutlass.range_constexpr(MT):
-                    if m0 + mi < M:
-                        x = gX[(None, (m0 + mi, kv))].load().to(Float32)
-                        acc[mi] = acc[mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        for mi in cutlass.range_constexpr(MT):
-            s = cute.arch.warp_reduction_sum(acc[mi])
-            if lane == mi and m0 + mi < M:
+                    x = xs[u][mi].to(Float32)
+                    if const_expr(live[u] is not None):
+                        x = x * live[u]
+                    for r in cutlass.range_constexpr(R):
+                        w = ws[u][r].to(Float32)
+                        acc[r * MT + mi] = acc[r * MT + mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        if const_expr(TAIL > 0):
+            if warp == 0 and lane < TAIL:
+                kv = FULL * 32 + lane
+                for mi in cutlass.range_constexpr(MT):
+                    x = gX[(None, (xrow[mi], kv))].load().to(Float32)
+                    for r in cutlass.range_constexpr(R):
+                        w = gW[(None, (row0 + r, kv))].load().to(Float32)
+                        acc[r * MT + mi] = acc[r * MT + mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        for i in cutlass.range_constexpr(RM):
+            s = cute.arch.warp_reduction_sum(acc[i])
+            if lane == 0:
+                buf[warp, i] = s
+        cute.arch.barrier()
+        if tid < RM:
+            r = tid // MT
+            mi = tid - r * MT
+            s = buf[0, tid]
+            for wi in cutlass.range_constexpr(1, WARPS):
+                s = s + buf[wi, tid]
+            if m0 + mi < M:
                 if const_expr(GATE):
-                    g = mG[m0 + mi, row].to(Float32)
-                    s = s / (Float32(1.0) + cute.math.exp(-g, fastmath=True))
+                    gt = mG[m0 + mi, row0 + r].to(Float32)
+                    s = s / (Float32(1.0) + cute.math.exp(-gt, fastmath=True))
                 if const_expr(RES):
-                    s = s + mR[m0 + mi, row].to(Float32)
-                mO[m0 + mi, row] = s.to(OUT)
+                    s = s + mR[m0 + mi, row0 + r].to(Float32)
+                mO[m0 + mi, row0 + r] = s.to(OUT)
 
     @cute.jit
     def gemv_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor, stream):
         M = mX.shape[0]
         gemv_kernel(mW, mX, mO, mG, mR).launch(
-            grid=(N // WARPS, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), stream=stream
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * RM + 64, stream=stream
         )
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -119,6 +191,8 @@ def build(key: GemvKey):
     return gemv_host, (w, x, o, g, r, stream)
 
 
+TEST_SHAPE = (7160, 200)  # (K, N): a partial last chunk and uneven K split, for the GPU tests
+
 # Decode shapes of one TP8 rank (M×K×N of `gpu_facts.md`), compiled ahead of time.
 DECODE_SHAPES = [  # (K, N)
     (7168, 2112),
@@ -131,10 +205,30 @@ DECODE_SHAPES = [  # (K, N)
 
 
 def aot_keys(arch: str) -> list[GemvKey]:
-    keys = [GemvKey(n=n, k=k, m_tile=mt, arch=arch) for k, n in DECODE_SHAPES for mt in (1, 8)]
-    keys.append(GemvKey(n=7168, k=12288, gate=False, residual=True, arch=arch))
-    keys.append(GemvKey(n=12288, k=7168, gate=True, arch=arch))
-    keys.append(GemvKey(n=896, k=7168, out_fp32=True, arch=arch))  # router logits (TP-replicated, 896 experts)
+    """Plain GEMVs at every decode shape, plus one shape per fused epilogue; m_tile 1 (M = 1) and 8."""
+    keys = []
+    for mt in AOT_M_TILES:
+        keys += [GemvKey(n=n, k=k, m_tile=mt, arch=arch) for k, n in DECODE_SHAPES]
+        keys.append(GemvKey(n=7168, k=12288, m_tile=mt, residual=True, arch=arch))
+        keys.append(GemvKey(n=3584, k=7168, m_tile=mt, gate=True, arch=arch))
+        keys.append(GemvKey(n=896, k=7168, m_tile=mt, out_fp32=True, arch=arch))  # router: 896 experts
+        keys.append(GemvKey(n=TEST_SHAPE[1], k=TEST_SHAPE[0], m_tile=mt, arch=arch))
+    return keys
+
+
+TUNING_SHAPES = [(7168, 2112), (7168, 12288)]  # (K, N)
+
+
+def tuning_keys(arch: str) -> list[GemvKey]:
+    """Other tilings of decode shapes, for `scripts/bench_kernels.py --only tuning`."""
+    keys = []
+    for rows, warps, unroll in [(1, 4, 8), (1, 2, 8), (2, 2, 8), (2, 4, 8)]:  # K = 3584: 14 chunks
+        keys.append(GemvKey(n=6144, k=3584, m_tile=1, rows=rows, warps=warps, unroll=unroll, arch=arch))
+    for k, n in TUNING_SHAPES:
+        for rows, warps, unroll in [(1, 4, 8), (2, 4, 4), (2, 4, 8), (4, 4, 4), (2, 8, 4), (4, 8, 4)]:
+            keys.append(GemvKey(n=n, k=k, m_tile=1, rows=rows, warps=warps, unroll=unroll, arch=arch))
+        for rows, warps, unroll in [(2, 4, 1), (4, 4, 1), (4, 4, 2), (8, 4, 1), (4, 8, 1), (8, 8, 1)]:
+            keys.append(GemvKey(n=n, k=k, m_tile=8, rows=rows, warps=warps, unroll=unroll, arch=arch))
     return keys
 
 
@@ -146,12 +240,14 @@ SPEC = kc.register(
         build=build,
         aot_keys=aot_keys,
         ptx_checks=("ld.global.v4",),
+        tuning_keys=tuning_keys,
     )
 )
 
 
 def pick_m_tile(m: int) -> int:
-    return next((t for t in M_TILES if t >= m), M_TILES[-1])
+    """m_tile for batch m: 1 at M = 1, else 8 (the tiles built ahead of time)."""
+    return next(t for t in AOT_M_TILES if t >= m or t == AOT_M_TILES[-1])
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -213,7 +309,6 @@ def gemv(
         gate=gate is not None,
         residual=residual is not None,
         out_fp32=out_fp32,
-        warps=next(w for w in WARPS_CHOICES if N % w == 0),
         arch=kc.resolve_arch(arch),
     )
     fn = kc.load(key)

@@ -233,7 +233,8 @@ class StockLayer:
         scale = cfg.mla_softmax_scale
         self.steps.append(Launch("mla.decode", "MLA decode attention, split-KV (FlashMLA / FA-MLA)", "Triton",
                                  _nbytes(mqa_q) + kv_rows * row + _nbytes(block_table, ctx), part_bytes,
-                                 sum(4 * H * (c_ + T) * (kl + r) for c_ in self.shape.context_per_seq) * T,
+                                 sum(2 * H * (c_ + t + 1) * (2 * kl + r)
+                                     for c_ in self.shape.context_per_seq for t in range(T)),
                                  run=lambda: ops.mla.mla_decode_split_kv(o_part, lse, mqa_q, cache.kv, block_table,
                                                                          ctx, T, scale, splits)))
         o_lat = self._empty(H, N, kl)

@@ -1,0 +1,231 @@
+"""`kimi-decode build` and `kimi-decode bundle`: ahead-of-time kernels for a GPU host without the compiler.
+
+build:  compile every registered kernel variant (`KernelSpec.aot_keys`) for an
+        arch on any machine (no GPU needed), export each with `export_to_c`,
+        link it against libcute_dsl_runtime.so + libtvm_ffi.so, write
+        `manifest.json` (kernel, key, arch, source hash, toolchain versions).
+bundle: build into DIR/artifacts, plus what the GPU host lacks beyond torch:
+        the apache-tvm-ffi wheel for its Python, the CuTe runtime library
+        (xz-compressed), a wheel of kimi_decode, the tests and scripts, and
+        `run.sh`, which unpacks them into a private folder and runs a command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import compile as kc
+
+REPO = Path(__file__).resolve().parent.parent
+BUNDLE_LIMIT_MB = 40
+WHEEL_CACHE = REPO / ".whl"
+
+
+def build_artifacts(
+    arch: str,
+    out_dir: str | Path,
+    kernels: list[str] | None = None,
+    tuning: bool = False,
+    keys: list | None = None,
+    log=print,
+) -> dict:
+    """Compile, export and link every registered variant for `arch` into `out_dir`; return the manifest.
+
+    `kernels` limits to those kernel names; `keys` replaces the registered key lists.
+    """
+    if not kc.compiler_available():
+        raise kc.KernelUnavailable("`build` needs the CuTe DSL compiler: pip install 'kimi_decode[gpu]'")
+    arch = kc.resolve_arch(arch)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*out_dir.glob("kd_*.so"), *out_dir.glob("cubin/kd_*.cubin")]:
+        old.unlink()
+    entries = []
+    specs = kc.registry()
+    todo = []
+    for name in kernels or sorted(specs):
+        if name not in specs:
+            raise KeyError(f"unknown kernel {name!r}; registered: {sorted(specs)}")
+        todo += [k for k in specs[name].aot_keys(arch) if k not in todo]
+        if tuning and specs[name].tuning_keys is not None:
+            todo += [k for k in specs[name].tuning_keys(arch) if k not in todo]
+    if keys is not None:
+        todo = list(keys)
+    for key in todo:
+        if key.arch != arch:
+            raise ValueError(f"{key} is not for {arch}")
+        t0 = time.perf_counter()
+        so = kc.export_shared(key, out_dir, cubin_dir=out_dir / "cubin")
+        entries.append(kc.manifest_entry(key, so.name))
+        log(f"  {so.name}  {kc.key_json(key)}  {time.perf_counter() - t0:.1f}s")
+    manifest = {
+        "format": kc.FORMAT_VERSION,
+        "arch": arch,
+        "toolchain": kc.toolchain_versions(),
+        "source_hashes": {name: kc.source_hash(specs[name]) for name in sorted(specs)},
+        "built_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "kernels": entries,
+    }
+    (out_dir / kc.MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def runtime_library() -> Path:
+    return Path(next(p for p in kc.runtime_libraries() if Path(p).name == kc.RUNTIME_LIB))
+
+
+def xz_file(src: Path, dst: Path) -> None:
+    with open(src, "rb") as fin, lzma.open(dst, "wb", preset=6) as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def tvm_ffi_wheel(python: str, dest: Path) -> Path:
+    """The apache-tvm-ffi wheel (same version as here) for CPython `python` on manylinux x86_64."""
+    version = kc.toolchain_versions()["apache-tvm-ffi"]
+    tag = "cp" + python.replace(".", "")
+    cache = WHEEL_CACHE / tag
+    found = sorted(cache.glob(f"apache_tvm_ffi-{version}-*{tag}*.whl"))
+    if not found:
+        cache.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", python, "--implementation", "cp",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+            "--platform", "manylinux2014_x86_64", "-d", str(cache), f"apache-tvm-ffi=={version}",
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        found = sorted(cache.glob(f"apache_tvm_ffi-{version}-*{tag}*.whl"))
+    if not found:
+        raise FileNotFoundError(f"no apache-tvm-ffi {version} wheel for {tag} in {cache}")
+    dest.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy2(found[-1], dest))
+
+
+def package_wheel(dest: Path) -> Path:
+    """A wheel of kimi_decode built from a copy of this checkout (pure Python; the checkout is untouched)."""
+    import tempfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kd_wheel_") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(REPO / "kimi_decode", src / "kimi_decode", ignore=shutil.ignore_patterns("__pycache__"))
+        for name in ("pyproject.toml", "README.md", "LICENSE"):
+            if (REPO / name).exists():
+                shutil.copy2(REPO / name, src / name)
+        if not (src / "README.md").exists():
+            (src / "README.md").write_text("kimi_decode\n")
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), str(src)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return next(dest.glob("kimi_decode-*.whl"))
+
+
+RUNNER = r"""#!/usr/bin/env bash
+# kimi_decode offline GPU bundle runner. Usage: bash run.sh COMMAND [ARGS...]
+# Unpacks the wheels and the CuTe runtime into a private folder (once), points
+# kimi_decode at the ahead-of-time kernels of this bundle, and runs COMMAND.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY="${PYTHON:-python3}"
+PRIV="${KIMI_DECODE_PRIVATE:-$HERE/.private}"
+STAMP="$PRIV/.ready-$(cat "$HERE/BUNDLE_ID")"
+if [ ! -f "$STAMP" ]; then
+  rm -rf "$PRIV"; mkdir -p "$PRIV/site" "$PRIV/lib"
+  "$PY" - "$HERE" "$PRIV" <<'EOF'
+import lzma, shutil, sys, zipfile
+from pathlib import Path
+here, priv = Path(sys.argv[1]), Path(sys.argv[2])
+for whl in sorted((here / "wheels").glob("*.whl")):
+    zipfile.ZipFile(whl).extractall(priv / "site")
+with lzma.open(here / "lib" / "libcute_dsl_runtime.so.xz") as f, open(priv / "lib" / "libcute_dsl_runtime.so", "wb") as g:
+    shutil.copyfileobj(f, g)
+for so in (priv / "site").rglob("*.so"):
+    so.chmod(0o755)
+EOF
+  touch "$STAMP"
+fi
+export PYTHONPATH="$PRIV/site${PYTHONPATH:+:$PYTHONPATH}"
+export KIMI_DECODE_ARTIFACTS="$HERE/artifacts"
+export KIMI_DECODE_CUTE_RUNTIME="$PRIV/lib/libcute_dsl_runtime.so"
+export KIMI_DECODE_AOT_ONLY=1
+exec "$@"
+"""
+
+
+def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bool = False, log=print) -> Path:
+    """Write the offline bundle into `out_dir` and return it; refuses to exceed the size limit."""
+    out = Path(out_dir)
+    for sub in ("artifacts", "wheels", "lib", "src", ".private"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"building kernels for {arch} into {out / 'artifacts'}")
+    manifest = build_artifacts(arch, out / "artifacts", tuning=tuning, log=log)
+    (out / "lib").mkdir()
+    xz_file(runtime_library(), out / "lib" / (kc.RUNTIME_LIB + ".xz"))
+    tvm_ffi_wheel(python, out / "wheels")
+    package_wheel(out / "wheels")
+    for folder in ("tests", "scripts"):
+        if (REPO / folder).is_dir():
+            shutil.copytree(REPO / folder, out / "src" / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (out / "BUNDLE_ID").write_text(manifest["built_utc"].replace(":", "") + "\n")
+    (out / "run.sh").write_text(RUNNER)
+    (out / "run.sh").chmod(0o755)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    log(f"bundle {out}: {len(manifest['kernels'])} kernels, {size:.1f} MiB")
+    if size > BUNDLE_LIMIT_MB:
+        raise RuntimeError(f"bundle is {size:.1f} MiB, over the {BUNDLE_LIMIT_MB} MiB limit")
+    return out
+
+
+def _build_cmd(args) -> int:
+    manifest = build_artifacts(args.arch, args.out, kernels=args.kernel or None, tuning=args.tuning)
+    print(f"{len(manifest['kernels'])} kernels for {manifest['arch']} in {args.out}")
+    return 0
+
+
+def _bundle_cmd(args) -> int:
+    make_bundle(args.arch, args.out, python=args.python, tuning=args.tuning)
+    print(f"run on the GPU host: bash {args.out}/run.sh python -m pytest -m gpu tests")
+    return 0
+
+
+def add_build_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("build", help="compile every kernel ahead of time (no GPU needed)")
+    p.add_argument("--arch", required=True, help="target GPU arch, e.g. sm_90a")
+    p.add_argument("--out", default=str(REPO / ".bundle" / "artifacts"), help="artifact folder")
+    p.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
+    p.add_argument("--tuning", action="store_true", help="also build the benchmark-only tiling variants")
+    p.set_defaults(func=_build_cmd)
+    return p
+
+
+def add_bundle_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bundle", help="artifacts + wheels + runner for an offline GPU host")
+    p.add_argument("--arch", required=True, help="target GPU arch, e.g. sm_90a")
+    p.add_argument("--out", default=str(REPO / ".bundle"), help="bundle folder")
+    p.add_argument("--python", default="3.12", help="Python version of the GPU host")
+    p.add_argument("--tuning", action="store_true", help="also build the benchmark-only tiling variants")
+    p.set_defaults(func=_bundle_cmd)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (`python -m kimi_decode.bundle build|bundle ...`)."""
+    parser = argparse.ArgumentParser(prog="python -m kimi_decode.bundle")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_build_parser(sub)
+    add_bundle_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

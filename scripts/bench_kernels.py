@@ -1,0 +1,221 @@
+"""Time the fused kernels on a GPU under CUDA graphs and write CSV with provenance.
+
+    python scripts/bench_kernels.py --out DIR        (on the GPU host: bash .bundle/run.sh python ...)
+
+GEMV: each decode shape (M×K×N) against torch.mm (cuBLAS) in the same run;
+weights rotated across enough copies that the working set exceeds the 60 MB
+L2 many times. Each graph holds one launch per copy; a replay is timed with
+CUDA events; the figure is the median per launch over many replays.
+AttnRes: batch 1/8/64 over rotated (p, δ, B) copies; bytes = reads + writes.
+"""
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kimi_decode import compile as kc  # noqa: E402
+from kimi_decode.kernels import attn_res as A  # noqa: E402
+from kimi_decode.kernels import gemv as G  # noqa: E402
+
+PEAK_GBS = 4270.0  # measured device-to-device copy on the H200 (gpu_facts.md)
+L2_BYTES = 60e6
+ROTATE_BYTES = 12 * L2_BYTES
+
+
+def provenance() -> dict:
+    manifest = None
+    for d in kc.artifact_dirs():
+        manifest = kc.read_manifest(d)
+        if manifest:
+            break
+    tc = kc.toolchain_versions()
+    if manifest and not tc.get("nvidia-cutlass-dsl"):
+        tc["nvidia-cutlass-dsl"] = manifest["toolchain"].get("nvidia-cutlass-dsl") + " (build host)"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:
+        smi = "unknown"
+    commit = os.environ.get("KIMI_DECODE_GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except Exception:
+            commit = ""
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": smi,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cutlass_dsl": tc.get("nvidia-cutlass-dsl"),
+        "tvm_ffi": tc.get("apache-tvm-ffi"),
+        "git_commit": commit or "uncommitted",
+        "kernel_sources": json.dumps(manifest["source_hashes"]) if manifest else "",
+        "utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_graph(launches, replays: int, warmup: int = 3) -> list[float]:
+    """Capture `launches` (callables) into one graph; µs per launch for each timed replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in launches:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in launches:
+            f()
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(launches))
+    return times
+
+
+def summarize(times):
+    s = sorted(times)
+    return statistics.median(s), s[len(s) // 10], s[(9 * len(s)) // 10]
+
+
+def bench_gemv(rows, m_list, replays):
+    for k, n in G.DECODE_SHAPES:
+        wbytes = n * k * 2
+        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
+        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        for m in m_list:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            out_t = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            impls = {
+                "cute_gemv": [lambda w=w: G.gemv(x, w, out=out) for w in ws],
+                "torch.mm": [lambda w=w: torch.mm(x, w.T, out=out_t) for w in ws],
+            }
+            for impl, launches in impls.items():
+                med, p10, p90 = summarize(time_graph(launches, replays))
+                moved = wbytes + m * k * 2 + m * n * 2
+                rows.append(dict(kernel="gemv", impl=impl, M=m, K=k, N=n, params="", copies=copies,
+                                 us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
+                                 bytes=moved, gbs=round(moved / med / 1e3, 1),
+                                 frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+                print(f"gemv {impl:9s} {m:2d}x{k}x{n}: {med:7.2f} us  {moved / med / 1e3:7.0f} GB/s", flush=True)
+            # correctness spot check in the same run
+            G.gemv(x, ws[0], out=out)
+            torch.mm(x, ws[0].T, out=out_t)
+            torch.cuda.synchronize()
+            diff = (out.float() - out_t.float()).abs().max().item()
+            rows[-1]["max_abs_diff_vs_torch"] = rows[-2]["max_abs_diff_vs_torch"] = diff
+        del ws
+        torch.cuda.empty_cache()
+
+
+def bench_tuning(rows, ks, replays):
+    """Every tiling of `G.tuning_keys` (built with `build --tuning`) at its m_tile's batch; only K in `ks` if given."""
+    by_shape = {}
+    for key in G.tuning_keys(kc.resolve_arch(None)):
+        if ks and key.k not in ks:
+            continue
+        by_shape.setdefault((key.k, key.n), []).append(key)
+    for (k, n), keys in by_shape.items():
+        wbytes = n * k * 2
+        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
+        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        for key in keys:
+            m = 1 if key.m_tile == 1 else 8
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            try:
+                fn = kc.load(key)
+            except Exception as e:  # not built
+                print(f"skip {key}: {e}")
+                continue
+            med, p10, p90 = summarize(time_graph([lambda w=w: fn(w, x, out, x, x) for w in ws], replays))
+            moved = wbytes + m * k * 2 + m * n * 2
+            rows.append(dict(kernel="gemv", impl="cute_gemv_tuning", M=m, K=k, N=n,
+                             params=f"rows={key.rows} warps={key.warps} unroll={key.unroll} m_tile={key.m_tile}",
+                             copies=copies, us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
+                             bytes=moved, gbs=round(moved / med / 1e3, 1),
+                             frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+            print(f"tune {m}x{k}x{n} rows={key.rows} warps={key.warps} unroll={key.unroll}: {med:7.2f} us "
+                  f"{moved / med / 1e3:6.0f} GB/s", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+def bench_attn_res(rows, t_list, replays):
+    d, s = 7168, 8
+    for n, use_delta, j, use_wo in [(8, True, -1, True), (4, True, -1, True), (1, True, -1, True)]:
+        for T in t_list:
+            per = T * d * 2
+            copies = max(4, math.ceil(ROTATE_BYTES / (per * (n + 3))))
+            sets = []
+            for _ in range(copies):
+                sets.append(dict(p=torch.randn(T, d, device="cuda").to(torch.bfloat16),
+                                 delta=torch.randn(T, d, device="cuda").to(torch.bfloat16),
+                                 blocks=torch.randn(T, s, d, device="cuda").to(torch.bfloat16),
+                                 y=torch.empty(T, d, device="cuda", dtype=torch.bfloat16)))
+            w = [(1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16) for _ in range(3)]
+            launches = [lambda c=c: A.attn_res_fused(c["p"], c["delta"] if use_delta else None, c["blocks"], n, j,
+                                                      w[0], w[1], w[2] if use_wo else None, out=c["y"]) for c in sets]
+            med, p10, p90 = summarize(time_graph(launches, replays))
+            moved = per * (1 + use_delta + n + 1 + 1) + 3 * d * 2  # read p, δ, n blocks; write p, y; weights
+            rows.append(dict(kernel="attn_res", impl="cute_attn_res", M=T, K=d, N=n,
+                             params=f"n={n} delta={use_delta} j={j} norm_out={use_wo}", copies=copies,
+                             us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3), bytes=moved,
+                             gbs=round(moved / med / 1e3, 1), frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+            print(f"attn_res n={n} T={T:2d}: {med:6.2f} us  {moved / med / 1e3:6.0f} GB/s", flush=True)
+            del sets
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 64])
+    ap.add_argument("--only", nargs="*", default=["gemv", "attn_res"], help="gemv, attn_res, tuning")
+    ap.add_argument("--tune-k", type=int, nargs="*", default=[], help="tuning: only these K")
+    args = ap.parse_args()
+    prov = provenance()
+    print(json.dumps(prov), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    benches = [("gemv", bench_gemv, args.m), ("attn_res", bench_attn_res, [1, 8, 64]), ("tuning", bench_tuning, args.tune_k)]
+    for name, fn, sizes in benches:
+        if name not in args.only:
+            continue
+        rows = []
+        fn(rows, sizes, args.replays)
+        path = out / f"kernels_{name}.csv" if name != "tuning" else out / "kernels_gemv_tuning.csv"
+        keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+        with open(path, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=keys + list(prov))
+            wr.writeheader()
+            for r in rows:
+                wr.writerow({**r, **prov})
+        print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Decode GEMV kernel (`kimi_decode.kernels.gemv`): key and input checks on CPU; correctness on a GPU."""
+
+import pytest
+import torch
+
+from kimi_decode.kernels import gemv as G
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_key_rejects_unaligned_k():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        G.GemvKey(n=64, k=100)
+
+
+def test_m_tile_choice():
+    assert [G.pick_m_tile(m) for m in (1, 2, 8, 9, 64)] == [1, 8, 8, 8, 8]
+
+
+def test_aot_keys_cover_decode_shapes():
+    keys = G.aot_keys("sm_90a")
+    for k, n in G.DECODE_SHAPES:
+        for mt in G.AOT_M_TILES:
+            assert G.GemvKey(n=n, k=k, m_tile=mt) in keys
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("m", [0, 65])
+def test_batch_outside_support_is_refused(m):
+    x = torch.zeros(max(m, 1), 64, dtype=torch.bfloat16)[:m]
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the supported 1..64"):
+        G.gemv(x, w)
+
+
+def test_cpu_tensors_are_refused_before_launch():
+    with pytest.raises(ValueError, match="CUDA device"):
+        G.gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _ref(x, w, gate=None, residual=None):
+    y = x.float() @ w.float().T
+    if gate is not None:
+        y = y * torch.sigmoid(gate.float())
+    if residual is not None:
+        y = y + residual.float()
+    return y
+
+
+def _bf16_torch(x, w, gate=None, residual=None):
+    """The same computation as plain PyTorch would do it in bf16 (the accuracy yardstick)."""
+    y = x @ w.T
+    if gate is not None:
+        y = y * torch.sigmoid(gate)
+    if residual is not None:
+        y = y + residual
+    return y.float()
+
+
+def _assert_close(got, x, w, gate=None, residual=None):
+    ref = _ref(x, w, gate, residual)
+    assert torch.isfinite(got).all(), "NaN/inf in the output (a poisoned element was not written)"
+    err = (got.float() - ref).abs().max().item()
+    err_bf16 = (_bf16_torch(x, w, gate, residual) - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 2 * err_bf16 + 1e-3 * scale, f"max err {err:.3g} vs bf16 torch {err_bf16:.3g} (|ref| {scale:.3g})"
+
+
+def _inputs(m, k, n, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).to(torch.bfloat16)
+    return x, w
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", G.DECODE_SHAPES)
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_decode_shapes(m, k, n):
+    x, w = _inputs(m, k, n, seed=m + k + n)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, out=out)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_gemv_awkward_shape(m):
+    k, n = G.TEST_SHAPE  # K = 7160: last chunk partial, chunks split unevenly over warps
+    x, w = _inputs(m, k, n, seed=7 + m)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, out=out)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [2, 5, 13, 64])
+def test_gemv_batch_sizes(m):
+    k, n = 7168, 2112
+    x, w = _inputs(m, k, n, seed=m)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, out=out)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_gate_epilogue(m):
+    x, w = _inputs(m, 7168, 3584, seed=11)
+    gate = torch.randn(m, 3584, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, 3584), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, gate=gate, out=out)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w, gate=gate)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_residual_epilogue(m):
+    x, w = _inputs(m, 12288, 7168, seed=12)
+    res = torch.randn(m, 7168, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, 7168), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, residual=res, out=out)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w, residual=res)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_gemv_router_fp32_out(m):
+    x, w = _inputs(m, 7168, 896, seed=13)
+    out = torch.full((m, 896), float("nan"), dtype=torch.float32, device="cuda")
+    G.gemv(x, w, out_fp32=True, out=out)
+    torch.cuda.synchronize()
+    ref = _ref(x, w)
+    err = (out - ref).abs().max().item()
+    assert err <= 1e-4 * ref.abs().max().item(), err
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gemv_bad_inputs_are_refused_on_gpu():
+    x, w = _inputs(2, 7168, 2112)
+    with pytest.raises(TypeError, match="bfloat16"):
+        G.gemv(x.float(), w)
+    with pytest.raises(ValueError, match="shape"):
+        G.gemv(x, w, residual=torch.zeros(2, 5, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="contiguous"):
+        G.gemv(x, w.T.contiguous().T)
+    with pytest.raises(ValueError, match="aligned"):
+        G.gemv(torch.zeros(2 * 7168 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(2, 7168), w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_cuda_graph_capture_and_replay(m):
+    k, n = 7168, 3584
+    x, w = _inputs(m, k, n, seed=21)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, out=out)  # load the kernel outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        G.gemv(x, w, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        G.gemv(x, w, out=out)
+    for seed in range(3):
+        xn, _ = _inputs(m, k, n, seed=100 + seed)
+        x.copy_(xn)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, x, w)
