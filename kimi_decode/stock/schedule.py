@@ -141,9 +141,11 @@ class StockLayer:
         o_norm = w.o_norm.float()
         conv_w, A_log, dt_bias = w.conv1d, w.A_log, w.dt_bias
         state_bytes = _nbytes(st.conv[0], st.recurrent[0]) * B
-        args = dict(lower_bound=cfg.gate_lower_bound)
+        args = dict(lower_bound=cfg.gate_lower_bound, qk_eps=cfg.kda_qk_norm_eps, f_rank=f)
         fused = H in (12, 24, 48, 96) if self.kda_fused is None else self.kda_fused
         if fused:
+            ws = ops.kda.make_fused_workspace(B, H, self.device) if ops else None
+            args.update(o_eps=cfg.kda_o_norm_eps, workspace=ws)
             rd = N * (4 * P + H) * BF16 + N * P * BF16 + _nbytes(conv_w, A_log, dt_bias, o_norm) + state_bytes
             self.steps.append(Launch(
                 "kda.fused_decode", "torch.ops._C.fused_kda_decode", "Triton", rd, N * P * BF16 + state_bytes,
