@@ -227,7 +227,7 @@ class StockLayer:
                                  run=lambda: ops.mla.mla_q_concat_cache_insert(mqa_q, q_lat, q3[..., nope:], cache.kv,
                                                                                c, k_pe, slot_mapping)))
         splits = ops.mla.choose_num_splits(B, T, self.shape.max_context) if ops else 1
-        o_part, lse = ops.mla.split_kv_scratch(N, H, splits, self.device) if ops else (None, None)
+        o_part, lse = ops.mla.split_kv_scratch(N, H, splits, self.device, d_lat=kl) if ops else (None, None)
         block_table = cache.block_table
         ctx = cache.context_lens
         kv_rows = sum(c_ + T for c_ in self.shape.context_per_seq)
@@ -318,7 +318,7 @@ class StockLayer:
         lat_bufs, lat_coef = self._peer_buffers(N, L)
         lat0 = lat_bufs[0]
         self.steps.append(Launch("moe.topk_sum", "moe top-k sum", "Triton", _nbytes(y), _nbytes(lat0), 0,
-                                 run=lambda: ops.moe.moe_topk_sum(lat0, y.view(N, k, L))))
+                                 run=lambda: ops.moe.moe_topk_sum(lat0, y)))
         rh = self._empty(N, L)
         norm = w.norm
         self.steps.append(Launch("moe.allreduce_rmsnorm", "fused all-reduce + RMSNorm (flashinfer, emulated)",
