@@ -33,3 +33,28 @@ def within_bf16_rule(out: torch.Tensor, ref_fp32: torch.Tensor, ref_bf16: torch.
 def all_written(out: torch.Tensor) -> bool:
     """True when no element is NaN: outputs are poisoned with NaN before a launch."""
     return not bool(torch.isnan(out).any())
+
+
+def routing_agreement(exec_ids: torch.Tensor, x_ref: torch.Tensor, moe_weights, cfg,
+                      tie_tol: float = 5e-3) -> tuple[torch.Tensor, int, bool]:
+    """Which tokens an executor routed to the same experts as the reference.
+
+    Top-k routing is discontinuous: bf16-sized differences in the router input
+    can swap two experts whose biased scores are nearly tied. Returns
+    (same [N] bool, number of tokens routed differently, whether every such
+    token is a near-tie: the gap between the reference's k-th and (k+1)-th
+    biased score is below `tie_tol`). Outputs are compared on `same` tokens;
+    a difference that is not a near-tie is a bug.
+    """
+    from .reference.moe import route
+
+    r = route(x_ref, moe_weights, cfg)
+    k = cfg.num_experts_per_token
+    ref_sorted = torch.sort(r.ids, 1).values.cpu()
+    ex_sorted = torch.sort(exec_ids.long(), 1).values.cpu()
+    same = (ref_sorted == ex_sorted).all(1)
+    biased = (r.scores + moe_weights.e_score_correction_bias.float()).cpu()
+    top = torch.topk(biased, k + 1, dim=-1).values
+    gap = top[:, k - 1] - top[:, k]
+    ties = gap < tie_tol
+    return same, int((~same).sum()), bool((same | ties).all())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kimi_decode.accuracy import all_written, within_bf16_rule
+from kimi_decode.accuracy import all_written, routing_agreement, within_bf16_rule
 from kimi_decode.cli import main
 from kimi_decode.config import DecodeShape, ShardSpec
 from kimi_decode.inventory import inventory
@@ -52,7 +52,11 @@ def _check(cfg, kind, shape, kda_fused=None, tp=2):
     layer = StockLayer(w, st2, kda_fused=kda_fused)
     layer()
     assert all_written(layer.h)
-    ok, err, bound = within_bf16_rule(layer.h.float(), ref.h, ref_bf.h)
+    keep = torch.ones(shape.num_tokens, dtype=torch.bool)
+    if w.moe is not None:  # near-tied router scores may swap an expert: compare the other tokens
+        keep, flips, flips_are_ties = routing_agreement(layer.routing[0], ref.x_mlp, w.moe, cfg)
+        assert flips_are_ties and flips <= max(1, shape.num_tokens // 8)
+    ok, err, bound = within_bf16_rule(layer.h[keep].float(), ref.h[keep], ref_bf.h[keep])
     assert ok, (err, bound)
     if st.kda is not None:
         ok, err, bound = within_bf16_rule(st2.kda.recurrent, ref.states[0].kda.recurrent,
@@ -68,6 +72,15 @@ def test_stock_matches_reference_tiny(tiny_cfg, kind, fused):
 
 
 @pytest.mark.slow
-def test_stock_speculative_tokens_tiny(tiny_cfg):
-    _check(tiny_cfg, "mla_moe", DecodeShape(2, 3, (5, 64)))
-    _check(tiny_cfg, "kda_moe", DecodeShape(2, 3, 0), kda_fused=True)
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (64, 1), (2, 3), (3, 8)])
+@pytest.mark.parametrize("kind", ["kda_moe", "mla_moe"])
+def test_stock_batches_and_speculative_tokens_tiny(tiny_cfg, kind, batch, tokens):
+    ctx = tuple((7 * b) % 90 for b in range(batch))
+    _check(tiny_cfg, kind, DecodeShape(batch, tokens, ctx), kda_fused=True)
+
+
+@pytest.mark.slow
+def test_stock_real_shapes_tp8_batch1():
+    """One TP8 rank of a KDA+MoE layer at real shapes through the stock schedule (Triton interpreter on CPU)."""
+    from kimi_decode.config import KimiK3Config
+    _check(KimiK3Config(), "kda_moe", DecodeShape(1, 1, 0), tp=8)

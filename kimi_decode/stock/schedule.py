@@ -56,6 +56,7 @@ class StockLayer:
         self.ops = _Ops() if build_ops else None
         self._gen = torch.Generator(device="cpu").manual_seed(seed)
         self.steps: list[Step] = []
+        self.buffers: dict[str, torch.Tensor] = {}  # named intermediates, for inspection
         self._build()
         self.executor = Executor(self.steps, self.device)
 
@@ -335,6 +336,10 @@ class StockLayer:
         self.steps.append(Launch("moe.add", "add_ (routed + shared)", "torch", 2 * N * d * BF16, N * d * BF16, 0,
                                  run=lambda: routed.add_(sh_out)))
         self.routing = (ids, wts)
+        self.buffers.update(moe_z=zl, logits=logits, topk_ids=ids, topk_weights=wts, sorted_token_ids=sorted_ids,
+                            expert_ids=expert_ids, num_tokens_post_pad=ntpp, experts_h13=h13, experts_act=act,
+                            experts_y=y, latent_partial=lat0, latent_normed=rh, shared_partial=sh_bufs[0],
+                            shared=sh_out, routed=routed)
         return routed
 
     # ------------------------------------------------------------------ dense
