@@ -41,3 +41,57 @@ def plot_bytes_per_sub_block(items: Iterable[LayerBytes], ax=None, title: str | 
     ax.set_title(title or "Kimi K3 decode: bytes each rank must move per layer", pad=12)
     ax.figure.tight_layout()
     return ax
+
+
+def plot_gemv_vs_cublas(df, M: int = 1, copy_bw_GBps: float = H200_COPY_BANDWIDTH / 1e9, ax=None):
+    """Decode GEMV time per shape: the CuTe DSL kernel against cuBLAS (torch.mm), from a measured CSV.
+
+    Bars are µs (lower is better); labels give the fused kernel's achieved GB/s as a share of the
+    measured copy bandwidth.
+    """
+    import numpy as np
+
+    d = df[(df.kernel == "gemv") & (df.M == M)]
+    if d.empty:
+        raise ValueError(f"no GEMV rows with M={M}")
+    shapes = list(dict.fromkeys(zip(d.K, d.N)))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 4))
+    x = np.arange(len(shapes))
+    impls = [("cute_gemv", "CuTe DSL GEMV (ours)", "tab:blue"), ("torch.mm", "cuBLAS (torch.mm)", "tab:gray")]
+    for i, (impl, label, color) in enumerate(impls):
+        us = [float(d[(d.impl == impl) & (d.K == k) & (d.N == n)].us_median.iloc[0]) for k, n in shapes]
+        bars = ax.bar(x + (i - 0.5) * 0.38, us, 0.38, label=label, color=color)
+        if impl == "cute_gemv":
+            for b_, (k, n) in zip(bars, shapes):
+                gbs = float(d[(d.impl == impl) & (d.K == k) & (d.N == n)].gbs.iloc[0])
+                ax.annotate(f"{gbs / copy_bw_GBps:.0%}", (b_.get_x() + b_.get_width() / 2, b_.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [f"{M}×{k}×{n}" for k, n in shapes], rotation=20)
+    ax.set_xlabel("M × K × N (bf16 weights, rotated out of L2)")
+    ax.set_ylabel("µs per GEMV (median of graph replays)")
+    ax.set_title(f"Decode GEMV on the H200 at M={M}: labels = achieved bandwidth / "
+                 f"{copy_bw_GBps / 1e3:.2f} TB/s copy bandwidth")
+    ax.legend(frameon=False)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_latency_vs_batch(df, kernel: str, group: str = "params", ax=None):
+    """µs per launch against batch (M) for each variant of a measured kernel (e.g. AttnRes per n)."""
+    d = df[df.kernel == kernel]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for key, g in d.groupby(group):
+        g = g.sort_values("M")
+        ax.errorbar(g.M, g.us_median, yerr=[g.us_median - g.us_p10, g.us_p90 - g.us_median], marker="o",
+                    capsize=3, label=str(key))
+    ax.set_xscale("log", base=2)
+    ms = sorted(set(int(m) for m in d.M))
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("tokens in the step (M)")
+    ax.set_ylabel("µs per launch (median, p10–p90)")
+    ax.set_title(f"{kernel} (CuTe DSL) on the H200, per launch under CUDA graphs")
+    ax.legend(fontsize=8, frameon=False)
+    ax.figure.tight_layout()
+    return ax
