@@ -33,6 +33,17 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def _mm_out_dtype_supported(device) -> bool:
+    """Whether torch.mm can write an fp32 result from bf16 inputs in one cuBLAS call."""
+    a = torch.ones(1, 16, dtype=torch.bfloat16, device=device)
+    out = torch.empty(1, 16, dtype=torch.float32, device=device)
+    try:
+        torch.mm(a, a.new_ones(16, 16), out_dtype=torch.float32, out=out)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 class _Ops:
     """Imports of the Triton stand-ins (kept lazy so the inventory works without Triton)."""
 
@@ -264,9 +275,12 @@ class StockLayer:
                                            x, w.down, zl)]))
         logits = self._empty(N, E, dtype=torch.float32)
         gate = w.gate
-        if self.device.type == "cuda":
-            def router():
+        if self.device.type == "cuda" and _mm_out_dtype_supported(self.device):
+            def router():  # one cuBLAS GEMM with bf16 inputs and fp32 output
                 torch.mm(x, gate.t(), out_dtype=torch.float32, out=logits)
+        elif self.device.type == "cuda":
+            raise RuntimeError("this torch has no torch.mm(..., out_dtype=torch.float32, out=...) on CUDA: "
+                               "the router GEMM (bf16 -> fp32 in one launch) needs torch >= 2.9")
         else:
             def router():
                 torch.mm(x.float(), gate.float().t(), out=logits)

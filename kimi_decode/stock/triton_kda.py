@@ -107,6 +107,20 @@ def _l2norm(x, eps, scale):
 
 
 @triton.jit
+def _load_window(cs, C: tl.constexpr, ch):
+    """The three conv-state rows (oldest first) of channels `ch`, as fp32."""
+    return (tl.load(cs + ch).to(tl.float32), tl.load(cs + C + ch).to(tl.float32),
+            tl.load(cs + 2 * C + ch).to(tl.float32))
+
+
+@triton.jit
+def _load_taps(conv_w_ptr, ch):
+    """The four conv taps (oldest first) of channels `ch` from the [3P, 4] fp32 weight."""
+    return (tl.load(conv_w_ptr + ch * 4), tl.load(conv_w_ptr + ch * 4 + 1),
+            tl.load(conv_w_ptr + ch * 4 + 2), tl.load(conv_w_ptr + ch * 4 + 3))
+
+
+@triton.jit
 def _fused_kda_decode_kernel(
     y_ptr, z_ptr, g_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, onorm_ptr,
     conv_state_ptr, rec_ptr, slots_ptr,
@@ -131,27 +145,12 @@ def _fused_kda_decode_kernel(
     # conv window (oldest first) of the head's q, k and v channels, and their taps
     cs = conv_state_ptr + slot * cs_stride
     cq, ck, cv = col, P + col, 2 * P + col
-    sq0 = tl.load(cs + cq).to(tl.float32)
-    sq1 = tl.load(cs + C + cq).to(tl.float32)
-    sq2 = tl.load(cs + 2 * C + cq).to(tl.float32)
-    sk0 = tl.load(cs + ck).to(tl.float32)
-    sk1 = tl.load(cs + C + ck).to(tl.float32)
-    sk2 = tl.load(cs + 2 * C + ck).to(tl.float32)
-    sv0 = tl.load(cs + cv).to(tl.float32)
-    sv1 = tl.load(cs + C + cv).to(tl.float32)
-    sv2 = tl.load(cs + 2 * C + cv).to(tl.float32)
-    wq0 = tl.load(conv_w_ptr + cq * 4)
-    wq1 = tl.load(conv_w_ptr + cq * 4 + 1)
-    wq2 = tl.load(conv_w_ptr + cq * 4 + 2)
-    wq3 = tl.load(conv_w_ptr + cq * 4 + 3)
-    wk0 = tl.load(conv_w_ptr + ck * 4)
-    wk1 = tl.load(conv_w_ptr + ck * 4 + 1)
-    wk2 = tl.load(conv_w_ptr + ck * 4 + 2)
-    wk3 = tl.load(conv_w_ptr + ck * 4 + 3)
-    wv0 = tl.load(conv_w_ptr + cv * 4)
-    wv1 = tl.load(conv_w_ptr + cv * 4 + 1)
-    wv2 = tl.load(conv_w_ptr + cv * 4 + 2)
-    wv3 = tl.load(conv_w_ptr + cv * 4 + 3)
+    sq0, sq1, sq2 = _load_window(cs, C, cq)
+    sk0, sk1, sk2 = _load_window(cs, C, ck)
+    sv0, sv1, sv2 = _load_window(cs, C, cv)
+    wq0, wq1, wq2, wq3 = _load_taps(conv_w_ptr, cq)
+    wk0, wk1, wk2, wk3 = _load_taps(conv_w_ptr, ck)
+    wv0, wv1, wv2, wv3 = _load_taps(conv_w_ptr, cv)
 
     a_scale = tl.exp(tl.load(a_log_ptr + h))
     dtb = tl.load(dt_bias_ptr + col)
@@ -234,27 +233,12 @@ def _fused_kda_decode_split_kernel(
 
     cs = conv_state_ptr + slot * cs_stride
     cq, ck, cv = col, P + col, 2 * P + col_v
-    sq0 = tl.load(cs + cq).to(tl.float32)
-    sq1 = tl.load(cs + C + cq).to(tl.float32)
-    sq2 = tl.load(cs + 2 * C + cq).to(tl.float32)
-    sk0 = tl.load(cs + ck).to(tl.float32)
-    sk1 = tl.load(cs + C + ck).to(tl.float32)
-    sk2 = tl.load(cs + 2 * C + ck).to(tl.float32)
-    sv0 = tl.load(cs + cv).to(tl.float32)
-    sv1 = tl.load(cs + C + cv).to(tl.float32)
-    sv2 = tl.load(cs + 2 * C + cv).to(tl.float32)
-    wq0 = tl.load(conv_w_ptr + cq * 4)
-    wq1 = tl.load(conv_w_ptr + cq * 4 + 1)
-    wq2 = tl.load(conv_w_ptr + cq * 4 + 2)
-    wq3 = tl.load(conv_w_ptr + cq * 4 + 3)
-    wk0 = tl.load(conv_w_ptr + ck * 4)
-    wk1 = tl.load(conv_w_ptr + ck * 4 + 1)
-    wk2 = tl.load(conv_w_ptr + ck * 4 + 2)
-    wk3 = tl.load(conv_w_ptr + ck * 4 + 3)
-    wv0 = tl.load(conv_w_ptr + cv * 4)
-    wv1 = tl.load(conv_w_ptr + cv * 4 + 1)
-    wv2 = tl.load(conv_w_ptr + cv * 4 + 2)
-    wv3 = tl.load(conv_w_ptr + cv * 4 + 3)
+    sq0, sq1, sq2 = _load_window(cs, C, cq)
+    sk0, sk1, sk2 = _load_window(cs, C, ck)
+    sv0, sv1, sv2 = _load_window(cs, C, cv)
+    wq0, wq1, wq2, wq3 = _load_taps(conv_w_ptr, cq)
+    wk0, wk1, wk2, wk3 = _load_taps(conv_w_ptr, ck)
+    wv0, wv1, wv2, wv3 = _load_taps(conv_w_ptr, cv)
     a_scale = tl.exp(tl.load(a_log_ptr + h))
     dtb = tl.load(dt_bias_ptr + col)
 
