@@ -95,3 +95,33 @@ def plot_latency_vs_batch(df, kernel: str, group: str = "params", ax=None):
     ax.legend(fontsize=8, frameon=False)
     ax.figure.tight_layout()
     return ax
+
+
+def plot_kernel_counts(counts: dict[str, int], published=None, ax=None):
+    """Kernels per decoder layer: this project's executors (H200 inventories) beside published figures.
+
+    `counts` maps a label (e.g. 'stock, KDA+MoE, TP8 (H200)') to a launch count; `published` is the
+    `data/published` table, whose GB300 rows are drawn hatched and labelled as GB300.
+    """
+    labels, values, styles = [], [], []
+    for k, v in counts.items():
+        labels.append(k)
+        values.append(v)
+        styles.append(("tab:blue", None))
+    if published is not None:
+        for r in published[published.unit == "kernels"].itertuples():
+            name = r.figure.replace("kernels per decoder layer ", "").strip("()")
+            labels.append(f"{name} [{r.system}, published]")
+            values.append(r.value)
+            styles.append(("tab:orange", "//"))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.8 + 0.42 * len(labels)))
+    for i, (v, (c, h)) in enumerate(zip(values, styles)):
+        ax.barh(i, v, color=c, hatch=h, edgecolor="white" if h is None else "black")
+        ax.text(v, i, f" {v:g}", va="center", fontsize=9)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("kernel launches per decoder layer (decode step)")
+    ax.set_title("Kernels per Kimi K3 decoder layer")
+    ax.figure.tight_layout()
+    return ax
