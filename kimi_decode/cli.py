@@ -108,6 +108,25 @@ def _cmd_sweep(args) -> int:
     return 0 if bool(df.check_ok.all()) else 1
 
 
+def _cmd_profile(args) -> int:
+    from .profile import ProfileRequest, ProfilerUnavailable, profile, profile_folder
+
+    req = ProfileRequest(args.executor, args.layer, args.tp, args.batch, args.tokens, args.context,
+                         args.metrics, args.seed)
+    req.check()
+    try:
+        df = profile(req, backend=args.backend)
+    except ProfilerUnavailable as e:
+        print(f"kimi-decode profile: {e}", file=sys.stderr)
+        return 3
+    cols = [c for c in ("order", "label", "kernel", "duration_us", "dram_GBps", "registers_per_thread",
+                        "achieved_occupancy_pct", "share_of_layer") if c in df.columns]
+    print(df[cols].to_string(index=False))
+    print(f"{len(df)} kernels, {df.duration_us.sum():.1f} µs in total ({df.backend.iloc[0]}); "
+          f"saved to {profile_folder(req)}")
+    return 0
+
+
 def _cmd_matrix(args) -> int:
     for row in support_matrix():
         print(f"{row.axis:<20} {row.supported}")
@@ -181,6 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="CSV to write (e.g. data/measured/stock_h200.csv)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_sweep)
+
+    p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",
+                       description="Profile one decode step of an executor with Nsight Compute (nsight-python where "
+                                   "its ncu requirement is met, else the ncu CLI in a subprocess; clocks unlocked) "
+                                   "and save profiles/<executor>/<layer>-tp<T>-b<B>[-ctx<C>]/ with the report, a "
+                                   "CSV summary and provenance.")
+    p.add_argument("--executor", default="stock", choices=["stock", "compile"])
+    p.add_argument("--layer", required=True, choices=LAYER_KINDS)
+    p.add_argument("--tp", type=int, default=8)
+    _add_shape_args(p, context_default=8192)
+    p.add_argument("--metrics", default="full", help="metric set: time, memory, full (default full)")
+    p.add_argument("--backend", default=None, choices=["nsight-python", "ncu-cli"],
+                   help="force a backend (default: chosen automatically)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("matrix", help="print the support matrix")
     p.set_defaults(func=_cmd_matrix)

@@ -1,0 +1,378 @@
+"""Nsight Compute profiles of one decode step, as pandas DataFrames.
+
+One row per kernel launch, in launch order: the schedule's label for it, the
+kernel name, duration, DRAM bytes read and written, achieved DRAM bandwidth,
+SM and memory throughput (% of peak), registers per thread, shared memory,
+achieved occupancy and the launch's share of the layer time.
+
+Backends (chosen automatically, reported in the result):
+- ``nsight-python`` in-process, where its Nsight Compute requirement is met
+  (nsight-python >= 1.0 needs ncu >= 2026.2.1);
+- ``ncu-cli``: the ``ncu`` command line run on this module in a subprocess
+  (``python -m kimi_decode.profile STEP_JSON``), with NVTX ranges naming each
+  launch, read back through Nsight Compute's ``ncu_report`` module. This is the
+  backend on the project's H200 (ncu 2025.3.1), from scripts and notebooks alike.
+
+Clocks are never locked (``--clock-control none``). Each run is saved to
+``profiles/<executor>/<layer>-tp<T>-b<B>[-t<N>][-ctx<C>]/`` (report, summary CSV,
+provenance) and `load_profile` turns any saved folder back into the DataFrame.
+
+Status: written and unit-tested on CPU (backend choice, parsing, saving,
+loading); not yet run against a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+NSIGHT_PYTHON_MIN_NCU = (2026, 2, 1)
+
+METRIC_SETS: dict[str, list[str]] = {
+    "time": ["gpu__time_duration.sum"],
+}
+METRIC_SETS["memory"] = METRIC_SETS["time"] + [
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+]
+METRIC_SETS["full"] = METRIC_SETS["memory"] + [
+    "launch__registers_per_thread",
+    "launch__shared_mem_per_block_static",
+    "launch__shared_mem_per_block_dynamic",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "launch__grid_size",
+    "launch__block_size",
+]
+
+# metric -> column of the result frame
+COLUMNS = {
+    "gpu__time_duration.sum": "duration_ns",
+    "dram__bytes_read.sum": "dram_read_bytes",
+    "dram__bytes_write.sum": "dram_write_bytes",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed": "memory_throughput_pct",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm_throughput_pct",
+    "launch__registers_per_thread": "registers_per_thread",
+    "launch__shared_mem_per_block_static": "smem_static_bytes",
+    "launch__shared_mem_per_block_dynamic": "smem_dynamic_bytes",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "achieved_occupancy_pct",
+    "launch__grid_size": "grid_size",
+    "launch__block_size": "block_size",
+}
+
+
+class ProfilerUnavailable(RuntimeError):
+    """No way to profile here: the message names what is missing."""
+
+
+def register_metric_set(name: str, metrics: list[str], columns: dict[str, str] | None = None) -> None:
+    """Add a named metric set (user-extendable); `columns` names the frame column of new metrics."""
+    if not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise ValueError("a metric set is a non-empty list of Nsight Compute metric names")
+    METRIC_SETS[name] = list(dict.fromkeys(["gpu__time_duration.sum", *metrics]))
+    for m in metrics:
+        COLUMNS.setdefault(m, (columns or {}).get(m, m.replace(".", "_")))
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    executor: str = "stock"  # stock | compile
+    layer: str = "kda_moe"
+    tp: int = 8
+    batch: int = 1
+    tokens: int = 1
+    context: int = 8192
+    metric_set: str = "full"
+    seed: int = 0
+
+    def folder_name(self) -> str:
+        name = f"{self.layer}-tp{self.tp}-b{self.batch}"
+        if self.tokens != 1:
+            name += f"-t{self.tokens}"
+        if self.layer == "mla_moe":
+            name += f"-ctx{self.context}"
+        return name
+
+    def check(self) -> None:
+        from .support import check_supported
+
+        check_supported(layer=self.layer, tp=self.tp, batch=self.batch, tokens_per_seq=self.tokens,
+                        context=self.context)
+        if self.executor not in ("stock", "compile"):
+            raise ValueError(f"executor must be 'stock' or 'compile', got {self.executor!r}")
+        if self.metric_set not in METRIC_SETS:
+            raise ValueError(f"unknown metric set {self.metric_set!r}; known: {sorted(METRIC_SETS)}")
+
+
+def profiles_root() -> Path:
+    return Path(os.environ.get("KIMI_DECODE_PROFILES", Path(__file__).resolve().parents[1] / "profiles"))
+
+
+def profile_folder(req: ProfileRequest, root: Path | None = None) -> Path:
+    return (root or profiles_root()) / req.executor / req.folder_name()
+
+
+# ------------------------------------------------------------------ backends
+
+
+def ncu_path() -> str | None:
+    return shutil.which("ncu")
+
+
+def parse_ncu_version(text: str) -> tuple[int, ...] | None:
+    """'... Version 2025.3.1.0 (build 36398880) ...' -> (2025, 3, 1, 0)."""
+    m = re.search(r"Version\s+(\d+(?:\.\d+)+)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def ncu_version() -> tuple[int, ...] | None:
+    exe = ncu_path()
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_ncu_version(out)
+
+
+def _nsight_python_importable() -> bool:
+    try:
+        import nsight  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def choose_backend(prefer: str | None = None) -> str:
+    """'nsight-python' or 'ncu-cli'; raises ProfilerUnavailable naming what is missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProfilerUnavailable("profiling needs a CUDA GPU and none is visible here; on a CPU machine "
+                                  "load saved profiles with kimi_decode.profile.load_profile(folder)")
+    version = ncu_version()
+    if version is None:
+        raise ProfilerUnavailable("Nsight Compute's `ncu` is not on PATH (both backends need it)")
+    nsight_ok = _nsight_python_importable() and version[:3] >= NSIGHT_PYTHON_MIN_NCU
+    if prefer == "nsight-python" and not nsight_ok:
+        raise ProfilerUnavailable(
+            "nsight-python backend unavailable: it needs `nsight-python` importable and ncu >= "
+            f"{'.'.join(map(str, NSIGHT_PYTHON_MIN_NCU))}; found ncu {'.'.join(map(str, version))}")
+    if prefer in (None, "nsight-python") and nsight_ok:
+        return "nsight-python"
+    if prefer not in (None, "ncu-cli", "nsight-python"):
+        raise ValueError(f"backend must be 'nsight-python' or 'ncu-cli', got {prefer!r}")
+    return "ncu-cli"
+
+
+# ------------------------------------------------------------- the profiled step
+
+
+def _build(req: ProfileRequest):
+    """The executor for `req` on the GPU, warmed up (Triton compiled, cuBLAS handles created)."""
+    import torch
+
+    from .config import DecodeShape, ShardSpec
+    from .state import make_decode_state
+    from .weights import make_layer_weights
+
+    shard = ShardSpec(tp=req.tp)
+    shape = DecodeShape(req.batch, req.tokens, req.context)
+    w = make_layer_weights(req.layer, shard, seed=req.seed).to("cuda")
+    st = make_decode_state(req.layer, shard, shape, seed=req.seed, device="cuda")
+    if req.executor == "stock":
+        from .stock.schedule import StockLayer
+        ex = StockLayer(w, st)
+    else:
+        from .compile_peer import CompilePeer
+        ex = CompilePeer(w, st, compile=True, mode="default")
+    for _ in range(2):
+        ex()
+    torch.cuda.synchronize()
+    return ex
+
+
+def labelled_launches(ex) -> list[tuple[str, object]]:
+    """(label, run) for each launch of a stock layer; one unlabelled step for other executors."""
+    if hasattr(ex, "launches") and ex.launches():
+        return [(f"{i + 1:02d} {l.label}", l.run) for i, l in enumerate(ex.launches())]
+    return [("step", ex)]
+
+
+def _run_step_under_ncu(req: ProfileRequest) -> None:
+    """Entry point of the ncu-cli subprocess: one decode step between cudaProfilerStart/Stop."""
+    import torch
+
+    ex = _build(req)
+    launches = labelled_launches(ex)
+    torch.cuda.cudart().cudaProfilerStart()
+    for label, run in launches:
+        torch.cuda.nvtx.range_push(label)
+        run()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def ncu_command(req: ProfileRequest, report_base: Path) -> list[str]:
+    exe = ncu_path() or "ncu"
+    return [exe, "--profile-from-start", "off", "--clock-control", "none", "--nvtx",
+            "--metrics", ",".join(METRIC_SETS[req.metric_set]), "-f", "-o", str(report_base),
+            sys.executable, "-m", "kimi_decode.profile", json.dumps(asdict(req))]
+
+
+def _import_ncu_report():
+    try:
+        import ncu_report  # the PyPI `ncu-report` package, or Nsight Compute's extras/python
+        return ncu_report
+    except ImportError:
+        exe = ncu_path()
+        if exe:
+            extras = Path(os.path.realpath(exe)).parent / "extras" / "python"
+            if extras.is_dir():
+                sys.path.insert(0, str(extras))
+                import ncu_report
+                return ncu_report
+    raise ProfilerUnavailable("cannot import Nsight Compute's `ncu_report` module (pip install ncu-report, "
+                              "or keep ncu's extras/python next to the ncu binary)")
+
+
+def read_report(path: str | Path, metrics: list[str]) -> list[dict]:
+    """Rows (label, kernel, metric values) from a .ncu-rep, in the order the kernels ran."""
+    ncu_report = _import_ncu_report()
+    ctx = ncu_report.load_report(str(path))
+    rows = []
+    for ri in range(ctx.num_ranges()):
+        rng = ctx.range_by_idx(ri)
+        for ai in range(rng.num_actions()):
+            action = rng.action_by_idx(ai)
+            label = ""
+            state = action.nvtx_state()
+            for dom in state.domains():
+                ranges = list(state.domain_by_id(dom).push_pop_ranges())
+                if ranges:
+                    label = ranges[-1]
+            row = {"label": label, "kernel": action.name()}
+            names = set(action.metric_names())
+            for m in metrics:
+                row[m] = action.metric_by_name(m).as_double() if m in names else float("nan")
+            rows.append(row)
+    return rows
+
+
+def frame_from_rows(rows: list[dict], backend: str) -> pd.DataFrame:
+    """The per-launch DataFrame from raw metric rows (names from METRIC_SETS), with derived columns."""
+    df = pd.DataFrame(rows).rename(columns=COLUMNS)
+    if df.empty:
+        raise RuntimeError("the profile holds no kernels: was the step run between cudaProfilerStart/Stop?")
+    df.insert(0, "order", range(1, len(df) + 1))
+    df["duration_us"] = df["duration_ns"] / 1e3
+    if {"dram_read_bytes", "dram_write_bytes"} <= set(df.columns):
+        df["dram_GBps"] = (df.dram_read_bytes + df.dram_write_bytes) / df.duration_ns
+    if {"smem_static_bytes", "smem_dynamic_bytes"} <= set(df.columns):
+        df["smem_bytes"] = df.smem_static_bytes + df.smem_dynamic_bytes
+    df["share_of_layer"] = df.duration_ns / df.duration_ns.sum()
+    df["backend"] = backend
+    return df
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def save_profile(df: pd.DataFrame, folder: Path, provenance: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    df.to_csv(folder / "summary.csv", index=False)
+    (folder / "provenance.json").write_text(json.dumps(provenance, indent=2, sort_keys=True))
+    return folder
+
+
+def load_profile(folder: str | Path) -> pd.DataFrame:
+    """A saved profile folder back into the same DataFrame; provenance in `df.attrs`."""
+    folder = Path(folder)
+    summary = folder / "summary.csv"
+    if not summary.exists():
+        raise FileNotFoundError(f"{folder} holds no summary.csv: not a saved kimi_decode profile")
+    df = pd.read_csv(summary)
+    prov = folder / "provenance.json"
+    df.attrs["provenance"] = json.loads(prov.read_text()) if prov.exists() else {}
+    df.attrs["folder"] = str(folder)
+    return df
+
+
+def saved_profiles(root: Path | None = None) -> pd.DataFrame:
+    """Every saved profile folder under `profiles/`: executor, configuration, kernels, total µs."""
+    root = root or profiles_root()
+    rows = []
+    for summary in sorted(root.glob("*/*/summary.csv")):
+        df = pd.read_csv(summary)
+        rows.append({"executor": summary.parent.parent.name, "config": summary.parent.name,
+                     "kernels": len(df), "total_us": float(df.duration_us.sum()), "folder": str(summary.parent)})
+    return pd.DataFrame(rows, columns=["executor", "config", "kernels", "total_us", "folder"])
+
+
+# ---------------------------------------------------------------- the entry
+
+
+def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
+            root: Path | None = None) -> pd.DataFrame:
+    """Profile one decode step of `req` on this GPU; returns (and by default saves) the frame."""
+    from .bench import provenance
+
+    req.check()
+    chosen = choose_backend(backend)
+    folder = profile_folder(req, root)
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = METRIC_SETS[req.metric_set]
+    cmd: list[str] = []
+    if chosen == "ncu-cli":
+        cmd = ncu_command(req, folder / "profile")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        (folder / "ncu.log").write_text(res.stdout + res.stderr)
+        if res.returncode != 0:
+            raise RuntimeError(f"ncu failed with exit code {res.returncode}; see {folder / 'ncu.log'}")
+        rows = read_report(folder / "profile.ncu-rep", metrics)
+    else:
+        rows = _profile_nsight_python(req, metrics)
+    df = frame_from_rows(rows, chosen)
+    if save:
+        prov = provenance()
+        prov.update(request=asdict(req), backend=chosen, ncu=".".join(map(str, ncu_version() or ())),
+                    command=" ".join(cmd) if cmd else "nsight-python in-process")
+        save_profile(df, folder, prov)
+    return df
+
+
+def _profile_nsight_python(req: ProfileRequest, metrics: list[str]) -> list[dict]:
+    """In-process collection through nsight-python (one annotation per launch)."""
+    import nsight
+
+    ex = _build(req)
+    launches = labelled_launches(ex)
+
+    @nsight.analyze.kernel(configs=[(0,)], runs=1, metrics=metrics, combine_kernel_metrics=lambda a, b: a + b)
+    def step(_):
+        for label, run in launches:
+            with nsight.annotate(label):
+                run()
+
+    res = step().to_dataframe()
+    wide = res.pivot_table(index="Annotation", columns="Metric", values="AvgValue", aggfunc="first")
+    order = [label for label, _ in launches]
+    return [{"label": a, "kernel": a, **{m: float(wide.loc[a, m]) for m in metrics if m in wide.columns}}
+            for a in order if a in wide.index]
+
+
+if __name__ == "__main__":  # the ncu-cli subprocess
+    _run_step_under_ncu(ProfileRequest(**json.loads(sys.argv[1])))

@@ -1,0 +1,96 @@
+"""Profiling as data: backend choice, the per-launch frame, saving and loading (CPU parts)."""
+
+import pandas as pd
+import pytest
+import torch
+
+from kimi_decode import profile as P
+from kimi_decode.cli import main
+
+NCU_VERSION_TEXT = """NVIDIA (R) Nsight Compute Command Line Profiler
+Copyright (c) 2018-2025 NVIDIA Corporation
+Version 2025.3.1.0 (build 36398880) (public-release)
+"""
+
+
+def test_parse_ncu_version():
+    assert P.parse_ncu_version(NCU_VERSION_TEXT) == (2025, 3, 1, 0)
+    assert P.parse_ncu_version("no version here") is None
+    assert (2025, 3, 1) < P.NSIGHT_PYTHON_MIN_NCU <= (2026, 2, 1)
+
+
+def test_no_gpu_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(P.ProfilerUnavailable, match="CUDA GPU"):
+        P.choose_backend()
+
+
+def test_no_ncu_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P.shutil, "which", lambda name: None)
+    with pytest.raises(P.ProfilerUnavailable, match="ncu"):
+        P.choose_backend()
+
+
+def test_backend_choice_follows_the_ncu_version(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P, "_nsight_python_importable", lambda: True)
+    monkeypatch.setattr(P, "ncu_version", lambda: (2025, 3, 1, 0))
+    assert P.choose_backend() == "ncu-cli"
+    with pytest.raises(P.ProfilerUnavailable, match="2026.2.1"):
+        P.choose_backend("nsight-python")
+    monkeypatch.setattr(P, "ncu_version", lambda: (2026, 2, 1, 0))
+    assert P.choose_backend() == "nsight-python"
+    assert P.choose_backend("ncu-cli") == "ncu-cli"
+
+
+def test_ncu_command_pins_clocks_and_names_the_step(tmp_path):
+    req = P.ProfileRequest(layer="mla_moe", batch=64, context=32768, metric_set="memory")
+    cmd = P.ncu_command(req, tmp_path / "profile")
+    assert cmd[cmd.index("--clock-control") + 1] == "none"
+    assert "--nvtx" in cmd and cmd[cmd.index("--profile-from-start") + 1] == "off"
+    assert cmd[cmd.index("--metrics") + 1] == ",".join(P.METRIC_SETS["memory"])
+    assert cmd[-3:-1] == ["-m", "kimi_decode.profile"] and '"batch": 64' in cmd[-1]
+    assert P.profile_folder(req, tmp_path) == tmp_path / "stock" / "mla_moe-tp8-b64-ctx32768"
+    assert P.ProfileRequest(layer="kda_moe", tokens=4).folder_name() == "kda_moe-tp8-b1-t4"
+
+
+def test_request_refuses_unsupported():
+    with pytest.raises(ValueError, match="batch"):
+        P.ProfileRequest(batch=65).check()
+    with pytest.raises(ValueError, match="metric set"):
+        P.ProfileRequest(metric_set="nope").check()
+
+
+def test_frame_save_load_round_trip(tmp_path):
+    metrics = P.METRIC_SETS["full"]
+    rows = [{"label": f"{i:02d} x", "kernel": f"k{i}", **{m: float(i + 1) * 1000 for m in metrics}}
+            for i in range(1, 4)]
+    df = P.frame_from_rows(rows, "ncu-cli")
+    assert list(df.order) == [1, 2, 3]
+    assert df.share_of_layer.sum() == pytest.approx(1.0)
+    assert df.duration_us.tolist() == [2.0, 3.0, 4.0]
+    assert df.dram_GBps.iloc[0] == pytest.approx((2000 + 2000) / 2000)
+    folder = P.save_profile(df, tmp_path / "stock" / "kda_moe-tp8-b1", {"gpu": "test"})
+    back = P.load_profile(folder)
+    pd.testing.assert_frame_equal(back, df, check_dtype=False)
+    assert back.attrs["provenance"] == {"gpu": "test"}
+    listing = P.saved_profiles(tmp_path)
+    assert listing.kernels.tolist() == [3] and listing.total_us.tolist() == [9.0]
+    with pytest.raises(FileNotFoundError, match="summary.csv"):
+        P.load_profile(tmp_path)
+
+
+def test_register_metric_set():
+    P.register_metric_set("l2", ["lts__t_bytes.sum"], {"lts__t_bytes.sum": "l2_bytes"})
+    assert P.METRIC_SETS["l2"] == ["gpu__time_duration.sum", "lts__t_bytes.sum"]
+    assert P.COLUMNS["lts__t_bytes.sum"] == "l2_bytes"
+    with pytest.raises(ValueError):
+        P.register_metric_set("bad", [])
+
+
+def test_cli_profile_without_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["profile", "--layer", "kda_moe"]) == 3
+    assert "CUDA GPU" in capsys.readouterr().err
+    assert main(["profile", "--layer", "kda_moe", "--batch", "65"]) == 2
