@@ -218,3 +218,29 @@ def byte_table(tps=(8, 16), shape: DecodeShape | None = None, layers=LAYER_KINDS
         for layer in layers:
             rows.append(layer_bytes(layer, ShardSpec(tp=tp), shape).as_dict())
     return pd.DataFrame(rows)
+
+
+def floor_sweep(layers=LAYER_KINDS, tps=(8, 16), batches=(1, 2, 4, 8, 16, 32, 64), contexts=(8192, 32768),
+                dcps=(1,), tokens_per_seq: int = 1):
+    """The memory floor over batch, context and DCP: a DataFrame, one row per configuration.
+
+    Context and DCP only change MLA layers (KDA layers keep per-sequence state), so KDA and dense
+    rows are computed once per batch.
+    """
+    import pandas as pd
+
+    rows = []
+    for tp in tps:
+        for layer in layers:
+            ctxs = contexts if layer == "mla_moe" else contexts[:1]
+            ds = dcps if layer == "mla_moe" else (1,)
+            for ctx in ctxs:
+                for dcp in ds:
+                    for b in batches:
+                        lb = layer_bytes(layer, ShardSpec(tp=tp, dcp=dcp), DecodeShape(b, tokens_per_seq, ctx))
+                        rows.append({"layer": layer, "tp": tp, "dcp": dcp, "batch": b, "context": ctx,
+                                     "tokens_per_seq": tokens_per_seq, "active_experts": lb.active_experts,
+                                     "weights_streamed": lb.weights_streamed, "kv_and_state": lb.kv_read + lb.kv_write
+                                     + lb.state_read + lb.state_write, "streamed": lb.streamed,
+                                     "floor_us_h200": lb.floor_seconds() * 1e6})
+    return pd.DataFrame(rows)

@@ -125,3 +125,24 @@ def plot_kernel_counts(counts: dict[str, int], published=None, ax=None):
     ax.set_title("Kernels per Kimi K3 decoder layer")
     ax.figure.tight_layout()
     return ax
+
+
+def plot_floor_vs_batch(df, tp: int = 8, ax=None):
+    """The H200 memory floor per layer against batch, one line per layer type / context / DCP."""
+    d = df[df.tp == tp]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4.5))
+    for (layer, ctx, dcp), g in d.groupby(["layer", "context", "dcp"]):
+        g = g.sort_values("batch")
+        label = layer if layer != "mla_moe" else f"mla_moe, ctx {ctx:,}" + (f", DCP{dcp}" if dcp > 1 else "")
+        ax.plot(g.batch, g.floor_us_h200, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    bs = sorted(set(int(b) for b in d.batch))
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("decode batch (sequences, 1 token each)")
+    ax.set_ylabel(f"µs per layer at {H200_COPY_BANDWIDTH / 1e12:.2f} TB/s")
+    ax.set_title(f"Memory floor of one decode step per layer, TP{tp} rank on an H200")
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(alpha=0.3)
+    ax.figure.tight_layout()
+    return ax

@@ -66,3 +66,13 @@ def test_analytic_equals_generated_real(kind):
     assert w.nbytes() == b.resident_weights
     if w.moe is not None:
         assert w.moe.expert_nbytes() == routed_expert_bytes(sh)
+
+
+def test_floor_sweep_dcp_only_changes_mla():
+    from kimi_decode.byte_counts import floor_sweep
+    f = floor_sweep(tps=(8,), batches=(1, 64), contexts=(32768,), dcps=(1, 4))
+    assert set(f[f.layer != "mla_moe"].dcp) == {1}
+    mla = f[(f.layer == "mla_moe") & (f.batch == 64)].set_index("dcp")
+    assert mla.loc[4, "kv_and_state"] < mla.loc[1, "kv_and_state"] / 3
+    assert (mla.weights_streamed.nunique()) == 1
+    assert (f.floor_us_h200 > 0).all()
