@@ -66,7 +66,8 @@ class CompilePeer:
         self.shape = state.shape
         self.table = mxfp4.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(state.carry.p.device)
         fn = self._forward
-        self.fn = torch.compile(fn, mode=mode, dynamic=False) if compile else fn
+        # fullgraph: a graph break would hide a host sync or a Python fallback inside the "compiled" layer
+        self.fn = torch.compile(fn, mode=mode, dynamic=False, fullgraph=True) if compile else fn
         self.h = None
         self.routing = None
 

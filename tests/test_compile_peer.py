@@ -29,3 +29,26 @@ def test_peer_matches_reference(tiny_cfg, kind, shape):
         assert ok, ("state", err, bound)
     else:
         assert (st2.mla.kv != st.mla.kv).any()  # the step's rows were inserted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["kda_moe", "mla_moe"])
+def test_peer_compiles_as_one_graph(tiny_cfg, kind):
+    """torch.compile(fullgraph=True) traces the whole layer (no graph break, no host sync) and stays correct."""
+    sh = ShardSpec(tp=2, cfg=tiny_cfg)
+    shape = DecodeShape(2, 2, (5, 40))
+    w = make_layer_weights(kind, sh, seed=1)
+    st = make_decode_state(kind, sh, shape, seed=1)
+    ref = decoder_layer(w, st.clone())
+    ref_bf = decoder_layer(w, st.clone(), storage=Storage.BF16)
+    st2 = st.clone()
+    peer = CompilePeer(w, st2, compile=True, mode="default")
+    peer()
+    ok, err, bound = within_bf16_rule(peer.h.float(), ref.h, ref_bf.h)
+    assert ok, (err, bound)
+    if kind == "kda_moe":  # the in-place state update survives compilation
+        ok, err, bound = within_bf16_rule(st2.kda.recurrent, ref.states[0].kda.recurrent,
+                                          ref_bf.states[0].kda.recurrent)
+        assert ok, ("state", err, bound)
+    else:
+        assert (st2.mla.kv != st.mla.kv).any()
