@@ -336,7 +336,8 @@ def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
     cmd: list[str] = []
     if chosen == "ncu-cli":
         cmd = ncu_command(req, folder / "profile")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        from .distributed import multicast_off_env
+        env = dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
             [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
         res = subprocess.run(cmd, capture_output=True, text=True, env=env)
         (folder / "ncu.log").write_text(res.stdout + res.stderr)

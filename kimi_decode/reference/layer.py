@@ -69,7 +69,7 @@ def decoder_layer(weights: list[LayerWeights] | LayerWeights,
         if w.kda is not None:
             out, ns.kda = kda_decode(x_attn, w.kda, st.kda, T, cfg, storage)
         else:
-            out, ns.mla = mla_decode(x_attn, w.mla, st.mla, T, cfg, storage)
+            out, ns.mla = mla_decode(x_attn, w.mla, st.mla, T, cfg, storage, dcp=w.shard.dcp)
         parts.append(out)
         new_states.append(ns)
     a = _allreduce(parts, storage)

@@ -58,11 +58,12 @@ def _gate_and_project(o: torch.Tensor, x: torch.Tensor, w: MLAWeights,
 
 
 def mla_decode(x: torch.Tensor, w: MLAWeights, cache: MLAKVCache, tokens_per_seq: int,
-               cfg: KimiK3Config, storage: Storage = Storage.FP32) -> tuple[torch.Tensor, MLAKVCache]:
+               cfg: KimiK3Config, storage: Storage = Storage.FP32, dcp: int = 1) -> tuple[torch.Tensor, MLAKVCache]:
     """Absorbed MLA decode (what vLLM runs). Returns (partial o_proj output [N, d], new cache).
 
     Token t of sequence b attends to the cached context and the step's tokens up
-    to and including itself.
+    to and including itself. With `dcp` > 1 the attention runs as DCP ranks over
+    interleaved token shards merged by log-sum-exp (`kimi_decode.dcp`).
     """
     N, B, T = x.shape[0], cache.block_table.shape[0], tokens_per_seq
     if N != B * T:
@@ -72,16 +73,20 @@ def mla_decode(x: torch.Tensor, w: MLAWeights, cache: MLAKVCache, tokens_per_seq
     q_lat = storage.store(torch.einsum("nhd,hdl->nhl", q.q_nope, f32(w.W_UK_T)))  # eq. 4
     mqa_q = torch.cat([q_lat, q.q_pe], -1)  # [N, H, 576], eq. 5
     new = insert_rows(cache, q.new_rows, T)
-    o_lat = torch.empty(N, w.heads, kl, dtype=torch.float32, device=x.device)
-    for b in range(B):
-        ctx = int(cache.context_lens[b])
-        rows = f32(new.gather(b, ctx + T))  # [ctx+T, 576]
-        for t in range(T):
-            i = b * T + t
-            L = ctx + t + 1
-            s = cfg.mla_softmax_scale * (mqa_q[i] @ rows[:L].t())  # [H, L], eq. 6
-            p = torch.softmax(s, -1)
-            o_lat[i] = p @ rows[:L, :kl]
+    ctxs = [int(c) for c in cache.context_lens]
+    if dcp > 1:
+        from ..dcp import mla_attention_dcp
+        o_lat = mla_attention_dcp(mqa_q, [new.gather(b, ctxs[b] + T) for b in range(B)], ctxs, T, dcp, cfg)
+    else:
+        o_lat = torch.empty(N, w.heads, kl, dtype=torch.float32, device=x.device)
+        for b in range(B):
+            rows = f32(new.gather(b, ctxs[b] + T))  # [ctx+T, 576]
+            for t in range(T):
+                i = b * T + t
+                L = ctxs[b] + t + 1
+                s = cfg.mla_softmax_scale * (mqa_q[i] @ rows[:L].t())  # [H, L], eq. 6
+                p = torch.softmax(s, -1)
+                o_lat[i] = p @ rows[:L, :kl]
     o_lat = storage.store(o_lat)
     o = storage.store(torch.einsum("nhl,hlv->nhv", o_lat, f32(w.W_UV)))  # eq. 7
     return _gate_and_project(o, x, w, storage), new

@@ -1,0 +1,81 @@
+"""torch.distributed with the gloo backend on CPU: real TP all-reduce and the DCP merge across processes."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kimi_decode.accuracy import rel_err
+from kimi_decode.config import DecodeShape, KimiK3Config, ShardSpec
+from kimi_decode.distributed import MULTICAST_OFF, dcp_local_attention, dcp_merge, init, multicast_off_env, tp_allreduce
+from kimi_decode.reference.dense import dense_partial
+from kimi_decode.reference.mla import insert_rows, query_and_latent
+from kimi_decode.state import make_mla_cache
+from kimi_decode.weights import make_layer_weights, unshard
+
+
+def _tp_worker(rank, world, init_method, result_dir):
+    init(rank, world, init_method, backend="gloo")
+    cfg = KimiK3Config.tiny()
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    w = make_layer_weights("dense", ShardSpec(tp=world, rank=rank, cfg=cfg), seed=9)
+    part = dense_partial(x, w.dense, cfg)
+    tp_allreduce(part)
+    torch.save(part, os.path.join(result_dir, f"tp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _dcp_worker(rank, world, init_method, result_dir):
+    init(rank, world, init_method, backend="gloo")
+    cfg = KimiK3Config.tiny()
+    shape = DecodeShape(2, 2, (9, 40))
+    w = make_layer_weights("mla_moe", ShardSpec(tp=2, cfg=cfg), seed=3).mla
+    cache = make_mla_cache(cfg, shape, seed=3, block_size=16)
+    x = torch.randn(shape.num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    q = query_and_latent(x, w, cfg)
+    q_lat = torch.einsum("nhd,hdl->nhl", q.q_nope, w.W_UK_T.float())
+    mqa_q = torch.cat([q_lat, q.q_pe], -1)
+    new = insert_rows(cache, q.new_rows, 2)
+    ctx = list(shape.context_per_seq)
+    # this rank keeps only the rows it owns: positions ≡ rank (mod world)
+    local = [new.gather(b, ctx[b] + 2)[rank::world] for b in range(2)]
+    o, lse = dcp_local_attention(mqa_q, local, ctx, 2, rank, world, cfg)
+    merged = dcp_merge(o, lse)
+    torch.save((merged, mqa_q, [new.gather(b, ctx[b] + 2) for b in range(2)]), os.path.join(result_dir, f"dcp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _spawn(fn, world, tmp_path):
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(fn, args=(world, init_method, str(tmp_path)), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+def test_tp_allreduce_across_processes_equals_unsharded(tmp_path):
+    _spawn(_tp_worker, 2, tmp_path)
+    cfg = KimiK3Config.tiny()
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    full = unshard([make_layer_weights("dense", ShardSpec(tp=2, rank=r, cfg=cfg), seed=9) for r in range(2)])
+    ref = dense_partial(x, full.dense, cfg)
+    for r in range(2):
+        assert rel_err(torch.load(tmp_path / f"tp{r}.pt"), ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_dcp_merge_across_processes_equals_dcp1(tmp_path):
+    from kimi_decode.dcp import mla_attention_dcp
+    world = 4
+    _spawn(_dcp_worker, world, tmp_path)
+    merged, mqa_q, rows = torch.load(tmp_path / "dcp0.pt")
+    ref = mla_attention_dcp(mqa_q, rows, [9, 40], 2, 1, KimiK3Config.tiny())
+    assert rel_err(merged, ref) < 1e-5
+    for r in range(1, world):
+        assert torch.equal(torch.load(tmp_path / f"dcp{r}.pt")[0], merged)
+
+
+def test_multicast_stays_off():
+    assert all(os.environ[k] == v for k, v in MULTICAST_OFF.items())
+    env = multicast_off_env({"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["PATH"] == "/bin"
