@@ -79,3 +79,45 @@ def test_multicast_stays_off():
     assert all(os.environ[k] == v for k, v in MULTICAST_OFF.items())
     env = multicast_off_env({"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["PATH"] == "/bin"
+
+
+def _stock_worker(rank, world, init_method, result_dir, kind):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kimi_decode.state import make_decode_state
+    from kimi_decode.stock.schedule import StockLayer
+    init(rank, world, init_method, backend="gloo")
+    cfg = KimiK3Config.tiny()
+    sh = ShardSpec(tp=world, rank=rank, cfg=cfg)
+    shape = DecodeShape(2, 1, (3, 50))
+    layer = StockLayer(make_layer_weights(kind, sh, seed=6), make_decode_state(kind, sh, shape, seed=6),
+                       group=dist.group.WORLD, kda_fused=True)
+    layer()
+    routing = getattr(layer, "routing", None)
+    torch.save((layer.h.clone(), routing[0].clone() if routing else None, len(layer.launches())),
+               os.path.join(result_dir, f"stock{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "kda_moe", "mla_moe"])
+def test_stock_schedule_with_real_allreduce_equals_the_tp_layer(tmp_path, kind):
+    from kimi_decode.accuracy import routing_agreement, within_bf16_rule
+    from kimi_decode.reference import Storage, decoder_layer
+    from kimi_decode.state import make_decode_state
+    world = 2
+    mp.spawn(_stock_worker, args=(world, f"file://{tmp_path / 'rdv'}", str(tmp_path), kind), nprocs=world, join=True)
+    cfg = KimiK3Config.tiny()
+    shape = DecodeShape(2, 1, (3, 50))
+    specs = ShardSpec(tp=world, cfg=cfg).all_ranks()
+    ws = [make_layer_weights(kind, s, seed=6) for s in specs]
+    sts = [make_decode_state(kind, s, shape, seed=6) for s in specs]
+    ref = decoder_layer(ws, [s.clone() for s in sts])
+    ref_bf = decoder_layer(ws, [s.clone() for s in sts], storage=Storage.BF16)
+    h0, ids0, n_launch = torch.load(tmp_path / "stock0.pt")
+    keep = torch.ones(shape.num_tokens, dtype=torch.bool)
+    if ids0 is not None:
+        keep, flips, ties = routing_agreement(ids0, ref.x_mlp, ws[0].moe, cfg)
+        assert ties
+    ok, err, bound = within_bf16_rule(h0[keep].float(), ref.h[keep], ref_bf.h[keep])
+    assert ok, (err, bound)
+    assert torch.equal(torch.load(tmp_path / "stock1.pt")[0], h0)  # every rank holds the reduced output

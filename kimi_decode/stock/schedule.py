@@ -56,9 +56,15 @@ class StockLayer:
     """One decode step of one layer on one rank, as stock vLLM launches it."""
 
     def __init__(self, weights: LayerWeights, state: DecodeState, seed: int = 0, build_ops: bool = True,
-                 kda_fused: bool | None = None):
-        """kda_fused: None follows vLLM (the fused KDA op only for 12, 24, 48 or 96 local heads)."""
+                 kda_fused: bool | None = None, group=None):
+        """kda_fused: None follows vLLM (the fused KDA op only for 12, 24, 48 or 96 local heads).
+
+        group: a `torch.distributed` process group of the TP ranks. With it every all-reduce is a real
+        collective (`dist.all_reduce` in place on the partial; the MoE latent all-reduce is then
+        followed by a separate RMSNorm launch); without it they are emulated on one GPU.
+        """
         self.kda_fused = kda_fused
+        self.group = group
         self.w, self.st = weights, state
         self.cfg, self.kind, self.shard = weights.cfg, weights.kind, weights.shard
         self.shape: DecodeShape = state.shape
@@ -81,7 +87,7 @@ class StockLayer:
 
     def _peer_buffers(self, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[tp, n, width] all-reduce buffers: slot 0 is this rank's partial, the rest random peers."""
-        tp = self.shard.tp
+        tp = 1 if self.group is not None else self.shard.tp  # real collectives: only this rank's buffer
         bufs = torch.randn(tp, n, width, generator=self._gen).to(torch.bfloat16).to(self.device)
         coef = torch.zeros(tp, dtype=torch.float32, device=self.device)
         coef[0] = 1.0
@@ -195,7 +201,17 @@ class StockLayer:
         self.steps.append(self._gemm(f"{prefix}.o_proj", "o_proj GEMM (RowParallel)", y, o_proj, bufs[0]))
         return self._allreduce(f"{prefix}.allreduce", bufs, coef)
 
+    def _collective(self, label: str, vllm_op: str, buf: torch.Tensor) -> Launch:
+        import torch.distributed as dist
+
+        group, n = self.group, _nbytes(buf)
+        return Launch(label, vllm_op, "torch.distributed", n, n, 0,
+                      run=lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group))
+
     def _allreduce(self, label: str, bufs: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            self.steps.append(self._collective(label, "all-reduce (real collective)", bufs[0]))
+            return bufs[0]
         tp, N, width = bufs.shape
         out = self._empty(N, width)
         ops = self.ops
@@ -336,14 +352,25 @@ class StockLayer:
                                  run=lambda: ops.moe.moe_topk_sum(lat0, y)))
         rh = self._empty(N, L)
         norm = w.norm
-        self.steps.append(Launch("moe.allreduce_rmsnorm", "fused all-reduce + RMSNorm (flashinfer, emulated)",
+        if self.group is not None:  # a real all-reduce, then the RMSNorm (the reduce of one buffer)
+            self.steps.append(self._collective("moe.latent_allreduce", "latent all-reduce (real collective)", lat0))
+            rms_label, rms_op = "moe.latent_rmsnorm", "RMSNorm of the reduced latent"
+        else:
+            rms_label, rms_op = "moe.allreduce_rmsnorm", "fused all-reduce + RMSNorm (flashinfer, emulated)"
+        self.steps.append(Launch(rms_label, rms_op,
                                  "Triton", _nbytes(lat_bufs, lat_coef, norm), _nbytes(rh), 0,
                                  run=lambda: ops.small.allreduce_rmsnorm_emulated(rh, lat_bufs, lat_coef, norm,
                                                                                   cfg.rms_norm_eps)))
-        sh_out = self._empty(N, d)
-        self.steps.append(Fork([Launch("moe.shared_allreduce", "shared-expert all-reduce (aux stream, emulated)",
-                                       "Triton", _nbytes(sh_bufs, sh_coef), _nbytes(sh_out), 0,
-                                       run=lambda: ops.small.allreduce_emulated(sh_out, sh_bufs, sh_coef))]))
+        if self.group is not None:
+            sh_out = sh_bufs[0]
+            self.steps.append(Fork([self._collective("moe.shared_allreduce",
+                                                     "shared-expert all-reduce (aux stream, real collective)",
+                                                     sh_out)]))
+        else:
+            sh_out = self._empty(N, d)
+            self.steps.append(Fork([Launch("moe.shared_allreduce", "shared-expert all-reduce (aux stream, emulated)",
+                                           "Triton", _nbytes(sh_bufs, sh_coef), _nbytes(sh_out), 0,
+                                           run=lambda: ops.small.allreduce_emulated(sh_out, sh_bufs, sh_coef))]))
         routed = self._empty(N, d)
         self.steps.append(self._gemm("moe.up_proj", "routed_expert_up_proj GEMM", rh, w.up, routed))
         self.steps.append(Join("shared all-reduce"))
