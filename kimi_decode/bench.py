@@ -131,13 +131,7 @@ def provenance() -> dict:
             "host": platform.node()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count)
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20).stdout.strip()
-            info["driver"] = out.splitlines()[0] if out else ""
-        except (OSError, subprocess.SubprocessError):
-            info["driver"] = ""
+        info.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count, driver=driver_version())
     for mod, key in (("triton", "triton"), ("cutlass", "cutlass_dsl")):
         try:
             info[key] = __import__(mod).__version__
@@ -149,11 +143,24 @@ def provenance() -> dict:
             info["cutlass_dsl"] = version("nvidia-cutlass-dsl")
         except Exception:  # noqa: BLE001
             info["cutlass_dsl"] = ""
-    info["git_commit"] = os.environ.get("KIMI_DECODE_GIT_COMMIT") or _git_commit()
+    info["git_commit"] = git_commit()
     return info
 
 
-def _git_commit() -> str:
+def driver_version() -> str:
+    """The NVIDIA driver version from nvidia-smi, or '' where there is none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0] if out else ""
+
+
+def git_commit() -> str:
+    """`$KIMI_DECODE_GIT_COMMIT` (set where the tree travels without .git), else this checkout's HEAD."""
+    if os.environ.get("KIMI_DECODE_GIT_COMMIT"):
+        return os.environ["KIMI_DECODE_GIT_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,

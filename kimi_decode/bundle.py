@@ -16,7 +16,6 @@ import argparse
 import datetime as _dt
 import json
 import lzma
-import os
 import shutil
 import subprocess
 import sys

@@ -80,28 +80,19 @@ def _cmd_inventory(args) -> int:
     return 0
 
 
-def _executor_factory(name: str):
-    if name == "stock":
-        from .stock.schedule import StockLayer
-        return StockLayer
-    if name == "compile":
-        from .compile_peer import CompilePeer
-        return lambda w, st: CompilePeer(w, st, compile=True, mode="default")
-    raise ValueError(f"unknown executor {name!r}")
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
 def _cmd_sweep(args) -> int:
+    from .executors import make_executor
     from .sweeps import run_sweep, stock_configs
 
     configs = stock_configs(kinds=tuple(args.layers.split(",")), tps=_ints(args.tps), batches=_ints(args.batches),
                             contexts=_ints(args.contexts))
     if args.tokens != 1:
         configs = [(k, t, DecodeShape(s.batch, args.tokens, s.context_lens)) for k, t, s in configs]
-    df = run_sweep(_executor_factory(args.executor), args.executor, configs, out_csv=args.out,
+    df = run_sweep(make_executor(args.executor), args.executor, configs, out_csv=args.out,
                    replays=args.replays, progress=not args.no_progress)
     print(f"{len(df)} configurations, {int(df.check_ok.sum())} passed the reference check"
           + (f"; written to {args.out}" if args.out else ""))

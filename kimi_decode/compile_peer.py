@@ -18,41 +18,24 @@ import torch
 import torch.nn.functional as F
 
 from . import mxfp4
+from .reference.attn_res import attn_res
+from .reference.common import rms_norm, situ_glu
+from .reference.precision import Storage
 from .state import DecodeState
 from .weights import LayerWeights
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
-
-
-def _situ(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
-    g, u = gate.float(), up.float()
-    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
-
-
 def _dequant(packed: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[..., out, in/2] uint8 + [..., out, in/32] -> bf16 [..., out, in]."""
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
-    vals = table[codes.long()]
-    s = torch.exp2(scales.float() - 127.0).repeat_interleave(mxfp4.GROUP, -1)
+    """[..., out, in/2] uint8 + [..., out, in/32] -> bf16 [..., out, in] (`mxfp4.unpack` without its
+    host-side NaN-scale check, so that it traces into one graph)."""
+    vals = table[mxfp4.unpack_codes(packed).long()]
+    s = torch.exp2(scales.float() - mxfp4.E8M0_BIAS).repeat_interleave(mxfp4.GROUP, -1)
     return (vals * s).to(torch.bfloat16)
 
 
-def attn_res_vec(p, delta, blocks, n: int, j: int, w_n, w_q, w_o, eps: float):
-    """§3.2 over all tokens at once; returns (y bf16, p_new bf16, blocks_new)."""
-    p_new = (p.float() + delta.float()).to(torch.bfloat16) if delta is not None else p
-    if j >= 0:
-        blocks = blocks.clone()
-        blocks[:, j] = p_new
-    if n == 0:
-        m = p_new.float()
-    else:
-        v = torch.cat([blocks[:, :n].float(), p_new.float()[:, None]], 1)
-        logits = (v * (w_n.float() * w_q.float())).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + eps)
-        m = (torch.softmax(logits, -1)[..., None] * v).sum(1)
-    y = _rms(m, w_o, eps) if w_o is not None else m
+def _attn_res_bf16(p, delta, blocks, n: int, j: int, w_n, w_q, w_o, eps: float):
+    """§3.2 over all tokens (the reference's vectorised operator), bf16 output."""
+    y, p_new, blocks = attn_res(p, delta, blocks, n, j, w_n, w_q, w_o, eps, eps, storage=Storage.BF16)
     return y.to(torch.bfloat16), p_new, blocks
 
 
@@ -87,14 +70,14 @@ class CompilePeer:
         nb, bw = cfg.attn_res_position(L)
         ar = w.attn_res
         eps = cfg.rms_norm_eps
-        x, p, blocks = attn_res_vec(p, h_prev, blocks, nb, (L // cfg.attn_res_block_size if bw else -1),
+        x, p, blocks = _attn_res_bf16(p, h_prev, blocks, nb, (L // cfg.attn_res_block_size if bw else -1),
                                     ar.self_attention_res_norm, ar.self_attention_res_proj, ar.input_layernorm, eps)
         a = self._kda(x) if w.kda is not None else self._mla(x)
         if bw:
             p, delta = a, None
         else:
             delta = a
-        x2, p, blocks = attn_res_vec(p, delta, blocks, nb + int(bw), -1, ar.mlp_res_norm, ar.mlp_res_proj,
+        x2, p, blocks = _attn_res_bf16(p, delta, blocks, nb + int(bw), -1, ar.mlp_res_norm, ar.mlp_res_proj,
                                      ar.post_attention_layernorm, eps)
         ids = None
         if w.dense is not None:
@@ -148,8 +131,8 @@ class CompilePeer:
         H, ql, kl, nope = w.heads, cfg.q_lora_rank, cfg.kv_lora_rank, w.nope_dim
         g = x @ w.g_proj.t()
         a = x @ w.fused_qkv_a.t()
-        qc = _rms(a[:, :ql], w.q_a_norm, cfg.rms_norm_eps).to(torch.bfloat16)
-        c = _rms(a[:, ql:ql + kl], w.kv_a_norm, cfg.rms_norm_eps).to(torch.bfloat16)
+        qc = rms_norm(a[:, :ql], w.q_a_norm, cfg.rms_norm_eps).to(torch.bfloat16)
+        c = rms_norm(a[:, ql:ql + kl], w.kv_a_norm, cfg.rms_norm_eps).to(torch.bfloat16)
         q = (qc @ w.q_b.t()).view(N, H, -1)
         q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w.W_UK_T)
         mqa_q = torch.cat([q_lat, q[..., nope:]], -1).view(B, T, H, -1)
@@ -185,12 +168,12 @@ class CompilePeer:
             W2 = _dequant(w.w2_packed[e], w.w2_scale[e], self.table)  # [N, L, I]
             h1 = torch.bmm(W1, zl[:, :, None])[..., 0]
             h3 = torch.bmm(W3, zl[:, :, None])[..., 0]
-            act = _situ(h1, h3, cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
+            act = situ_glu(h1, h3, cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
             acc = acc + wts[:, j, None] * torch.bmm(W2, act[:, :, None])[..., 0].float()
-        rh = _rms(acc, w.norm, cfg.rms_norm_eps).to(torch.bfloat16)
+        rh = rms_norm(acc, w.norm, cfg.rms_norm_eps).to(torch.bfloat16)
         sh = x @ w.shared_gate_up.t()
         S = sh.shape[1] // 2
-        sha = _situ(sh[:, :S], sh[:, S:], cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
+        sha = situ_glu(sh[:, :S], sh[:, S:], cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
         return (rh @ w.up.t()) + (sha @ w.shared_down.t()), ids
 
     # ----------------------------------------------------------------- dense
@@ -198,5 +181,5 @@ class CompilePeer:
         cfg, w = self.cfg, self.w.dense
         gu = x @ w.gate_up.t()
         I = gu.shape[1] // 2
-        a = _situ(gu[:, :I], gu[:, I:], cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
+        a = situ_glu(gu[:, :I], gu[:, I:], cfg.situ_beta, cfg.situ_linear_beta).to(torch.bfloat16)
         return a @ w.down.t()

@@ -69,11 +69,11 @@ def mla_attention_dcp(mqa_q: torch.Tensor, seq_rows: list[torch.Tensor], context
     out = torch.empty(N, H, kl, dtype=torch.float32, device=mqa_q.device)
     for b, rows in enumerate(seq_rows):
         L = rows.shape[0]
-        shards = [(owned_positions(L, dcp, r, rows.device), ) for r in range(dcp)]
+        shards = [owned_positions(L, dcp, r, rows.device) for r in range(dcp)]
         for t in range(tokens_per_seq):
             i = b * tokens_per_seq + t
             limit = context_lens[b] + t
             parts = [partial_attention(mqa_q[i], rows[pos], pos, limit, cfg.mla_softmax_scale, kl)
-                     for (pos,) in shards]
+                     for pos in shards]
             out[i] = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     return out

@@ -107,8 +107,9 @@ class ProfileRequest:
 
         check_supported(layer=self.layer, tp=self.tp, batch=self.batch, tokens_per_seq=self.tokens,
                         context=self.context)
-        if self.executor not in ("stock", "compile"):
-            raise ValueError(f"executor must be 'stock' or 'compile', got {self.executor!r}")
+        from .executors import EXECUTORS
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.metric_set not in METRIC_SETS:
             raise ValueError(f"unknown metric set {self.metric_set!r}; known: {sorted(METRIC_SETS)}")
 
@@ -190,12 +191,8 @@ def _build(req: ProfileRequest):
     shape = DecodeShape(req.batch, req.tokens, req.context)
     w = make_layer_weights(req.layer, shard, seed=req.seed).to("cuda")
     st = make_decode_state(req.layer, shard, shape, seed=req.seed, device="cuda")
-    if req.executor == "stock":
-        from .stock.schedule import StockLayer
-        ex = StockLayer(w, st)
-    else:
-        from .compile_peer import CompilePeer
-        ex = CompilePeer(w, st, compile=True, mode="default")
+    from .executors import make_executor
+    ex = make_executor(req.executor)(w, st)
     for _ in range(2):
         ex()
     torch.cuda.synchronize()

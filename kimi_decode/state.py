@@ -152,12 +152,11 @@ def make_mla_cache(cfg: KimiK3Config, shape: DecodeShape, seed: int = 0, layer: 
 
 
 def make_attn_res_carry(cfg: KimiK3Config, shape: DecodeShape, layer: int, seed: int = 0) -> AttnResCarry:
-    """A random carry as it arrives at `layer`: blocks 0..nb-1 filled, p and h set."""
+    """A random carry as it arrives at `layer`: every block slot, p and h (not before layer 0) set."""
     g = _gen(seed, "carry", layer)
     N, d, S = shape.num_tokens, cfg.hidden_size, cfg.num_attn_res_blocks
-    nb, _ = cfg.attn_res_position(layer)
     blocks = torch.randn(N, S, d, generator=g).to(torch.bfloat16)
-    # slots not yet written hold stale values from earlier steps, never read
+    # slots past the layer's nb sources hold stale values from earlier steps, never read
     p = torch.randn(N, d, generator=g).to(torch.bfloat16)
     h = None if layer == 0 else torch.randn(N, d, generator=g).to(torch.bfloat16)
     return AttnResCarry(p=p, blocks=blocks, h=h)

@@ -17,7 +17,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kimi_decode import compile as kc  # noqa: E402
+from kimi_decode.bench import driver_version, git_commit  # noqa: E402
 from kimi_decode.kernels import attn_res as A  # noqa: E402
 from kimi_decode.kernels import gemv as G  # noqa: E402
 
@@ -43,20 +43,10 @@ def provenance() -> dict:
     tc = kc.toolchain_versions()
     if manifest and not tc.get("nvidia-cutlass-dsl"):
         tc["nvidia-cutlass-dsl"] = manifest["toolchain"].get("nvidia-cutlass-dsl") + " (build host)"
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except Exception:
-        smi = "unknown"
-    commit = os.environ.get("KIMI_DECODE_GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except Exception:
-            commit = ""
+    commit = git_commit()
     return {
         "gpu": torch.cuda.get_device_name(),
-        "driver": smi,
+        "driver": driver_version() or "unknown",
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "python": platform.python_version(),

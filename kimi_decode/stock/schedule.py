@@ -18,6 +18,8 @@ of over NVLink) and writes the same bytes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import DecodeShape
@@ -33,8 +35,9 @@ def _nbytes(*ts: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+@functools.lru_cache(maxsize=None)
 def _mm_out_dtype_supported(device) -> bool:
-    """Whether torch.mm can write an fp32 result from bf16 inputs in one cuBLAS call."""
+    """Whether torch.mm can write an fp32 result from bf16 inputs in one cuBLAS call (probed once per device)."""
     a = torch.ones(1, 16, dtype=torch.bfloat16, device=device)
     out = torch.empty(1, 16, dtype=torch.float32, device=device)
     try:
@@ -148,7 +151,7 @@ class StockLayer:
     # ------------------------------------------------------------------ KDA
     def _kda(self, x: torch.Tensor) -> torch.Tensor:
         w, st, cfg, N, ops = self.w.kda, self.st.kda, self.cfg, self.N, self.ops
-        P, H, D, f = w.proj, w.heads, w.head_dim, w.f_rank
+        P, H, f = w.proj, w.heads, w.f_rank
         T, B = self.shape.tokens_per_seq, self.shape.batch
         sec = w.in_proj_sections()
         z = self._empty(N, w.in_proj.shape[0])
