@@ -90,10 +90,9 @@ def _cmd_sweep(args) -> int:
 
     configs = stock_configs(kinds=tuple(args.layers.split(",")), tps=_ints(args.tps), batches=_ints(args.batches),
                             contexts=_ints(args.contexts))
-    if args.tokens != 1:
-        configs = [(k, t, DecodeShape(s.batch, args.tokens, s.context_lens)) for k, t, s in configs]
+    configs = [(k, t, DecodeShape(s.batch, n, s.context_lens)) for n in _ints(args.tokens) for k, t, s in configs]
     df = run_sweep(make_executor(args.executor), args.executor, configs, out_csv=args.out,
-                   replays=args.replays, progress=not args.no_progress)
+                   replays=args.replays, progress=not args.no_progress, timed=not args.check_only)
     print(f"{len(df)} configurations, {int(df.check_ok.sum())} passed the reference check"
           + (f"; written to {args.out}" if args.out else ""))
     return 0 if bool(df.check_ok.all()) else 1
@@ -186,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tps", default="8,16")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="8192,32768", help="MLA contexts (KDA layers use the first)")
-    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--tokens", default="1", help="tokens per sequence, e.g. 1 or 1,4,8 (2..8 = speculative verify)")
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--out", default=None, help="CSV to write (e.g. data/measured/stock_h200.csv)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check-only", action="store_true",
+                   help="only compare each configuration with the fp32 reference (no graph capture, no timing)")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",

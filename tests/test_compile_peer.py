@@ -1,6 +1,7 @@
 """The torch.compile peer computes the layer: within the bf16 accuracy rule of the fp32 reference."""
 
 import pytest
+import torch
 
 from kimi_decode.accuracy import within_bf16_rule
 from kimi_decode.compile_peer import CompilePeer
@@ -9,13 +10,15 @@ from kimi_decode.reference import Storage, decoder_layer
 from kimi_decode.state import make_decode_state
 from kimi_decode.weights import make_layer_weights
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("kind", ["dense", "kda_moe", "mla_moe"])
 @pytest.mark.parametrize("shape", [DecodeShape(1, 1, 5), DecodeShape(3, 4, (0, 9, 70))])
 def test_peer_matches_reference(tiny_cfg, kind, shape):
     sh = ShardSpec(tp=2, cfg=tiny_cfg)
-    w = make_layer_weights(kind, sh, seed=4)
-    st = make_decode_state(kind, sh, shape, seed=4)
+    w = make_layer_weights(kind, sh, seed=4).to(DEV)
+    st = make_decode_state(kind, sh, shape, seed=4, device=DEV)
     ref = decoder_layer(w, st.clone())
     ref_bf = decoder_layer(w, st.clone(), storage=Storage.BF16)
     st2 = st.clone()
@@ -37,8 +40,8 @@ def test_peer_compiles_as_one_graph(tiny_cfg, kind):
     """torch.compile(fullgraph=True) traces the whole layer (no graph break, no host sync) and stays correct."""
     sh = ShardSpec(tp=2, cfg=tiny_cfg)
     shape = DecodeShape(2, 2, (5, 40))
-    w = make_layer_weights(kind, sh, seed=1)
-    st = make_decode_state(kind, sh, shape, seed=1)
+    w = make_layer_weights(kind, sh, seed=1).to(DEV)
+    st = make_decode_state(kind, sh, shape, seed=1, device=DEV)
     ref = decoder_layer(w, st.clone())
     ref_bf = decoder_layer(w, st.clone(), storage=Storage.BF16)
     st2 = st.clone()

@@ -12,6 +12,8 @@ from kimi_decode.state import make_decode_state
 from kimi_decode.stock.schedule import StockLayer
 from kimi_decode.weights import make_layer_weights
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the Triton kernels run compiled, not interpreted
+
 # launches per layer, explained in docs/stock_schedule.md (§9: about 22 / 28 / 11 at TP8)
 EXPECTED = {("kda_moe", 8): 22, ("mla_moe", 8): 29, ("dense", 8): 11,
             ("kda_moe", 16): 25, ("mla_moe", 16): 29, ("dense", 16): 14}
@@ -44,15 +46,15 @@ def test_inventory_cli(capsys):
 
 def _check(cfg, kind, shape, kda_fused=None, tp=2):
     sh = ShardSpec(tp=tp, cfg=cfg)
-    w = make_layer_weights(kind, sh, seed=2)
-    st = make_decode_state(kind, sh, shape, seed=2)
+    w = make_layer_weights(kind, sh, seed=2).to(DEV)
+    st = make_decode_state(kind, sh, shape, seed=2, device=DEV)
     ref = decoder_layer(w, st.clone())
     ref_bf = decoder_layer(w, st.clone(), storage=Storage.BF16)
     st2 = st.clone()
     layer = StockLayer(w, st2, kda_fused=kda_fused)
     layer()
     assert all_written(layer.h)
-    keep = torch.ones(shape.num_tokens, dtype=torch.bool)
+    keep = torch.ones(shape.num_tokens, dtype=torch.bool, device=DEV)
     if w.moe is not None:  # near-tied router scores may swap an expert: compare the other tokens
         keep, flips, flips_are_ties = routing_agreement(layer.routing[0], ref.x_mlp, w.moe, cfg)
         assert flips_are_ties and flips <= max(1, shape.num_tokens // 8)

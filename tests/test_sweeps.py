@@ -8,6 +8,8 @@ from kimi_decode.stock.schedule import StockLayer
 from kimi_decode.sweeps import check_against_reference, choose_copies, stock_configs, weight_copy
 from kimi_decode.weights import make_layer_weights
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_weight_copy_is_distinct_with_equal_bytes(tiny_cfg):
     w = make_layer_weights("kda_moe", ShardSpec(tp=2, cfg=tiny_cfg))
@@ -28,8 +30,8 @@ def test_choose_copies_exceeds_l2():
 
 def test_check_against_reference_catches_a_wrong_executor(tiny_cfg):
     sh = ShardSpec(tp=2, cfg=tiny_cfg)
-    w = make_layer_weights("dense", sh)
-    st = make_decode_state("dense", sh, DecodeShape(2, 1, 0))
+    w = make_layer_weights("dense", sh).to(DEV)
+    st = make_decode_state("dense", sh, DecodeShape(2, 1, 0), device=DEV)
     good = check_against_reference(StockLayer, w, st)
     assert good["check_ok"] and good["all_written"]
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Collect the project's GPU evidence in one go on a GPU host (no package index needed).
+#
+#   bash scripts/gpu_evidence.sh OUTDIR STAGE[:SECONDS] ...
+#
+# Each stage runs under its own time limit (and all of them within $DEADLINE
+# seconds, default 560), logs to logs/<stage>.log and prints its last lines; a
+# failing stage does not stop the next. After every stage OUTDIR/evidence.tar.gz
+# is rewritten with data/measured/incoming/*.csv, profiles/ and logs/, ready to
+# unpack into a checkout (`tar -xzf evidence.tar.gz`) and commit.
+# Run it inside the offline bundle when CuTe DSL kernels are involved:
+#   bash .bundle/run.sh bash scripts/gpu_evidence.sh "$OUT" env tests sweep-tp8 ...
+# Set KIMI_DECODE_GIT_COMMIT where the tree travels without .git.
+set -u
+OUT=${1:?usage: gpu_evidence.sh OUTDIR STAGE[:SECONDS]...}; shift
+LOGS=${LOGS:-/tmp/kimi_decode_logs}
+mkdir -p "$OUT" "$LOGS" data/measured/incoming profiles
+END=$(( $(date +%s) + ${DEADLINE:-560} ))
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+KD="$PY -m kimi_decode.cli"
+M=data/measured/incoming
+
+stage_cmd() {
+  case "$1" in
+    env) echo "nvidia-smi; ncu --version; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
+    tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_schedule.py tests/test_sweeps.py tests/test_stock_triton_small.py tests/test_stock_triton_kda.py tests/test_stock_triton_mla.py tests/test_stock_triton_moe.py tests/test_compile_peer.py" ;;
+    sweep-tp8) echo "$KD sweep --executor stock --tps 8 --no-progress --out $M/stock_h200_tp8.csv" ;;
+    sweep-tp16) echo "$KD sweep --executor stock --tps 16 --no-progress --out $M/stock_h200_tp16.csv" ;;
+    check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 1,2,4,8 --no-progress --out $M/stock_h200_check_verify.csv" ;;
+    compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
+    compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
+    profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
+    profile-stock-b64) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 64 || exit 1; done" ;;
+    *) return 1 ;;
+  esac
+}
+
+for spec in "$@"; do
+  name=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
+  cmd=$(stage_cmd "$name") || { echo "=== unknown stage $name"; continue; }
+  start=$(date +%s)
+  left=$(( END - start )); [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$left" -lt 15 ]; then echo "=== $name skipped: no time left"; continue; fi
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  timeout -k 5 "$limit" bash -c "$cmd" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - start ))s"
+  grep -vE '^\s*$' "$LOGS/$name.log" | tail -n 25
+  mkdir -p "$M/logs" && cp "$LOGS"/*.log "$M/logs/"
+  tar -czf "$OUT/evidence.tar.gz" "$M" profiles
+done
+[ -f "$OUT/evidence.tar.gz" ] && echo "=== wrote $OUT/evidence.tar.gz ($(du -h "$OUT/evidence.tar.gz" | cut -f1))"
