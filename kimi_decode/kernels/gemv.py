@@ -80,36 +80,48 @@ class GemvKey:
             raise ValueError("rows * m_tile must not exceed the CTA's threads")
 
 
-def build(key: GemvKey):
+_PARTIALS = None
+
+
+def gemv_partials():
+    """The `@cute.jit` building block of every GEMV-shaped kernel, inlined where a kernel calls it:
+
+        gemv_partials()(mW, mX, mS, buf, row0, m0, K, MT, R, WARPS, U, scale, ssq)
+
+    computes the CTA's dot products W[row0 + r] · x[m0 + mi] (r < R, mi < MT). Each warp's partial
+    sums are reduced over its lanes and left in shared memory: buf[warp, r * MT + mi]; with `ssq`,
+    buf[warp, R * MT + mi] holds the warp's part of Σ_k x[m0 + mi, k]². With `scale`, x is multiplied
+    elementwise by mS ([K] bf16, an RMSNorm weight) as it is loaded (mS is ignored otherwise). Ends
+    with a CTA barrier; the caller sums buf over warps (one thread per entry).
+    """
+    global _PARTIALS
+    if _PARTIALS is None:
+        _PARTIALS = _make_partials()
+    return _PARTIALS
+
+
+def _make_partials():
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, const_expr
+    from cutlass import Constexpr, Float32, const_expr
 
-    N, K, MT = key.n, key.k, key.m_tile
-    R, WARPS, U = key.rows, key.warps, key.unroll
-    FULL = K // CHUNK  # full 256-wide chunks
-    TAIL = (K % CHUNK) // VEC  # lanes that read one more vector (last, partial chunk)
-    PER_WARP = -(-FULL // WARPS)  # chunk steps per warp (the last may be past FULL: clamped, weighted 0)
-    GROUPS = -(-PER_WARP // U)
-    OUT = Float32 if key.out_fp32 else BFloat16
-    GATE, RES = key.gate, key.residual
-    RM = R * MT
-
-    @cute.kernel
-    def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor):
-        tid, _, _ = cute.arch.thread_idx()
+    @cute.jit
+    def partials(mW: cute.Tensor, mX: cute.Tensor, mS: cute.Tensor, buf: cute.Tensor, row0, m0,
+                 K: Constexpr, MT: Constexpr, R: Constexpr, WARPS: Constexpr, U: Constexpr,
+                 scale: Constexpr, ssq: Constexpr):
+        FULL = K // CHUNK
+        TAIL = (K % CHUNK) // VEC
+        PER_WARP = -(-FULL // WARPS)
+        GROUPS = -(-PER_WARP // U)
+        RM = R * MT
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        bx, by, _ = cute.arch.block_idx()
-        row0 = bx * R
-        m0 = by * MT
         M = mX.shape[0]
-        smem = cutlass.utils.SmemAllocator()
-        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
         gW = cute.zipped_divide(mW, (1, VEC))  # ((1, VEC), (N, K / VEC))
         gX = cute.zipped_divide(mX, (1, VEC))
-        acc = cute.make_rmem_tensor((RM,), Float32)
-        for i in cutlass.range_constexpr(RM):
+        gS = cute.zipped_divide(mS, (VEC,))
+        acc = cute.make_rmem_tensor((RM + MT,), Float32)
+        for i in cutlass.range_constexpr(RM + MT):
             acc[i] = Float32(0.0)
         xrow = []
         for mi in cutlass.range_constexpr(MT):
@@ -117,6 +129,7 @@ def build(key: GemvKey):
         for g in cutlass.range_constexpr(GROUPS):
             ws = []
             xs = []
+            ss = []
             live = []
             for u in cutlass.range_constexpr(U):
                 step = g * U + u
@@ -136,11 +149,19 @@ def build(key: GemvKey):
                     for mi in cutlass.range_constexpr(MT):
                         xr.append(gX[(None, (xrow[mi], kv))].load())
                     xs.append(xr)
+                    if const_expr(scale):
+                        ss.append(gS[(None, kv)].load())
+                    else:
+                        ss.append(None)
             for u in cutlass.range_constexpr(len(ws)):
                 for mi in cutlass.range_constexpr(MT):
                     x = xs[u][mi].to(Float32)
                     if const_expr(live[u] is not None):
                         x = x * live[u]
+                    if const_expr(ssq):
+                        acc[RM + mi] = acc[RM + mi] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if const_expr(scale):
+                        x = x * ss[u].to(Float32)
                     for r in cutlass.range_constexpr(R):
                         w = ws[u][r].to(Float32)
                         acc[r * MT + mi] = acc[r * MT + mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -149,14 +170,44 @@ def build(key: GemvKey):
                 kv = FULL * 32 + lane
                 for mi in cutlass.range_constexpr(MT):
                     x = gX[(None, (xrow[mi], kv))].load().to(Float32)
+                    if const_expr(ssq):
+                        acc[RM + mi] = acc[RM + mi] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    if const_expr(scale):
+                        x = x * gS[(None, kv)].load().to(Float32)
                     for r in cutlass.range_constexpr(R):
                         w = gW[(None, (row0 + r, kv))].load().to(Float32)
                         acc[r * MT + mi] = acc[r * MT + mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        for i in cutlass.range_constexpr(RM):
+        NRED = RM + MT if const_expr(ssq) else RM
+        for i in cutlass.range_constexpr(NRED):
             s = cute.arch.warp_reduction_sum(acc[i])
             if lane == 0:
                 buf[warp, i] = s
         cute.arch.barrier()
+
+    return partials
+
+
+def build(key: GemvKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, const_expr
+
+    N, K, MT = key.n, key.k, key.m_tile
+    R, WARPS, U = key.rows, key.warps, key.unroll
+    OUT = Float32 if key.out_fp32 else BFloat16
+    GATE, RES = key.gate, key.residual
+    RM = R * MT
+
+    @cute.kernel
+    def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        row0 = bx * R
+        m0 = by * MT
+        M = mX.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
+        gemv_partials()(mW, mX, mX[0, None], buf, row0, m0, K, MT, R, WARPS, U, False, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
