@@ -7,6 +7,7 @@ import json
 import sys
 
 from .config import LAYER_KINDS, DecodeShape, ShardSpec
+from .executors import EXECUTORS
 from .support import UnsupportedConfiguration, check_supported, describe_supported, support_matrix
 
 
@@ -94,6 +95,17 @@ def _cmd_sweep(args) -> int:
     df = run_sweep(make_executor(args.executor), args.executor, configs, out_csv=args.out,
                    replays=args.replays, progress=not args.no_progress, timed=not args.check_only)
     print(f"{len(df)} configurations, {int(df.check_ok.sum())} passed the reference check"
+          + (f"; written to {args.out}" if args.out else ""))
+    return 0 if bool(df.check_ok.all()) else 1
+
+
+def _cmd_moe(args) -> int:
+    from .moe_bench import run_moe_sweep
+
+    df = run_moe_sweep(args.executors.split(","), _ints(args.tps), _ints(args.batches), _ints(args.tokens),
+                       replays=args.replays, out_csv=args.out, timed=not args.check_only,
+                       progress=not args.no_progress)
+    print(f"{len(df)} runs, {int(df.check_ok.sum())} passed the reference check"
           + (f"; written to {args.out}" if args.out else ""))
     return 0 if bool(df.check_ok.all()) else 1
 
@@ -193,12 +205,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only compare each configuration with the fp32 reference (no graph capture, no timing)")
     p.set_defaults(func=_cmd_sweep)
 
+    p = sub.add_parser("moe", help="check and time the MoE half: stock (15 launches) vs fused (4) (GPU)",
+                       description="For each TP, batch and tokens per sequence: run the MoE half of a layer with each "
+                                   "executor on a fresh input, compare with the fp32 reference (NaN-poisoned outputs), "
+                                   "then time it under CUDA graphs (weights rotated through L2) and report the floor "
+                                   "ratio and the speedup of fused over stock. Writes a CSV with provenance.")
+    p.add_argument("--executors", default="stock,fused")
+    p.add_argument("--tps", default="8")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--tokens", default="1", help="tokens per sequence, e.g. 1,4,8 (batch x tokens <= 64 fused)")
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--out", default=None)
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_moe)
+
     p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",
                        description="Profile one decode step of an executor with Nsight Compute (nsight-python where "
                                    "its ncu requirement is met, else the ncu CLI in a subprocess; clocks unlocked) "
                                    "and save profiles/<executor>/<layer>-tp<T>-b<B>[-ctx<C>]/ with the report, a "
                                    "CSV summary and provenance.")
-    p.add_argument("--executor", default="stock", choices=["stock", "compile"])
+    p.add_argument("--executor", default="stock", choices=list(EXECUTORS),
+                   help="stock, compile: a whole layer; stock-moe, fused-moe: the MoE half only")
     p.add_argument("--layer", required=True, choices=LAYER_KINDS)
     p.add_argument("--tp", type=int, default=8)
     _add_shape_args(p, context_default=8192)

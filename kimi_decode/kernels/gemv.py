@@ -91,7 +91,7 @@ def gemv_partials():
     computes the CTA's dot products W[row0 + r] · x[m0 + mi] (r < R, mi < MT). Each warp's partial
     sums are reduced over its lanes and left in shared memory: buf[warp, r * MT + mi]; with `ssq`,
     buf[warp, R * MT + mi] holds the warp's part of Σ_k x[m0 + mi, k]². With `scale`, x is multiplied
-    elementwise by mS ([K] bf16, an RMSNorm weight) as it is loaded (mS is ignored otherwise). Ends
+    elementwise by mS ([1, K] bf16, an RMSNorm weight) as it is loaded (mS is ignored otherwise). Ends
     with a CTA barrier; the caller sums buf over warps (one thread per entry).
     """
     global _PARTIALS
@@ -119,7 +119,7 @@ def _make_partials():
         M = mX.shape[0]
         gW = cute.zipped_divide(mW, (1, VEC))  # ((1, VEC), (N, K / VEC))
         gX = cute.zipped_divide(mX, (1, VEC))
-        gS = cute.zipped_divide(mS, (VEC,))
+        gS = cute.zipped_divide(mS, (1, VEC))
         acc = cute.make_rmem_tensor((RM + MT,), Float32)
         for i in cutlass.range_constexpr(RM + MT):
             acc[i] = Float32(0.0)
@@ -150,7 +150,7 @@ def _make_partials():
                         xr.append(gX[(None, (xrow[mi], kv))].load())
                     xs.append(xr)
                     if const_expr(scale):
-                        ss.append(gS[(None, kv)].load())
+                        ss.append(gS[(None, (0, kv))].load())
                     else:
                         ss.append(None)
             for u in cutlass.range_constexpr(len(ws)):
@@ -173,7 +173,7 @@ def _make_partials():
                     if const_expr(ssq):
                         acc[RM + mi] = acc[RM + mi] + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                     if const_expr(scale):
-                        x = x * gS[(None, kv)].load().to(Float32)
+                        x = x * gS[(None, (0, kv))].load().to(Float32)
                     for r in cutlass.range_constexpr(R):
                         w = gW[(None, (row0 + r, kv))].load().to(Float32)
                         acc[r * MT + mi] = acc[r * MT + mi] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -207,7 +207,7 @@ def build(key: GemvKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        gemv_partials()(mW, mX, mX[0, None], buf, row0, m0, K, MT, R, WARPS, U, False, False)
+        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT

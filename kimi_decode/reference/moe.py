@@ -84,6 +84,14 @@ def moe_tail(latent_sum: torch.Tensor, shared_sum: torch.Tensor, w: MoEWeights, 
     return storage.store(routed + f32(shared_sum))
 
 
+def moe_block_one_rank(x: torch.Tensor, w: MoEWeights, cfg: KimiK3Config,
+                       storage: Storage = Storage.FP32) -> tuple[torch.Tensor, Routing]:
+    """The whole MoE half on one rank with its all-reduces over that rank alone (what a single-GPU
+    run of one rank computes): moe_tail(moe_partials(x))."""
+    p = moe_partials(x, w, cfg, storage)
+    return moe_tail(p.latent, p.shared, w, cfg, storage), p.routing
+
+
 def moe_dense_masked(x: torch.Tensor, w: MoEWeights, cfg: KimiK3Config) -> torch.Tensor:
     """Routed latent computed densely: every expert on every token, masked by the routing.
 

@@ -398,3 +398,26 @@ class StockLayer:
         bufs, coef = self._peer_buffers(N, cfg.hidden_size)
         self.steps.append(self._gemm("dense.down", "down GEMM (RowParallel)", a, w.down, bufs[0]))
         return self._allreduce("dense.allreduce", bufs, coef)
+
+
+class StockMoEHalf(StockLayer):
+    """Only the MoE half (§6.3, 15 launches) of a layer, from its input x [N, d] (the AttnRes + RMSNorm
+    output): the baseline of the fused MoE. Same launches, buffers and all-reduce emulation as the
+    MoE part of `StockLayer`."""
+
+    def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, group=None):
+        if weights.moe is None:
+            raise ValueError(f"StockMoEHalf needs an MoE layer, got {weights.kind!r}")
+        self.kda_fused, self.group = None, group
+        self.w, self.st = weights, None
+        self.cfg, self.kind, self.shard = weights.cfg, weights.kind, weights.shard
+        self.N = x.shape[0]
+        self.device = x.device
+        self.ops = _Ops()
+        self._gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.steps: list[Step] = []
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.x = x
+        self.h = self._moe(x)
+        self.executor = Executor(self.steps, self.device)
+

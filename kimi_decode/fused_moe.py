@@ -1,0 +1,138 @@
+"""The fused MoE half of a layer (four CuTe DSL launches, `kernels/moe.py`) as an executor.
+
+`FusedMoE(weights, x)` validates everything before any launch (layer kind,
+TP shape, batch, dtype, device, MXFP4 scale range), prepares the fused weight
+layout once (the router, latent down and shared gate/up rows concatenated into
+one [E + L + 2S, d] matrix, since all three read x), preallocates NaN-poisoned
+outputs, and runs one step per call. `launches()` lists the four launches with
+the bytes each must move, like the stock schedule's inventory.
+
+The stock schedule's MoE half (`stock.schedule.StockMoEHalf`) is the baseline:
+same input, same weights, same single-GPU all-reduce emulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ShardSpec
+from .stock.launch import Launch
+from .weights import LayerWeights
+
+MOE_KINDS = ("kda_moe", "mla_moe")
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
+    """Refuse, before any launch, what the fused MoE does not support (clear messages)."""
+    from .kernels import moe as km
+    from .support import UnsupportedConfiguration, check_supported
+
+    if weights.kind not in MOE_KINDS or weights.moe is None:
+        raise UnsupportedConfiguration("layer for the fused MoE", weights.kind, "MoE layers: " + ", ".join(MOE_KINDS))
+    shard: ShardSpec = weights.shard
+    check_supported(layer=weights.kind, shard=shard)
+    ref = km.shapes_for_tp(shard.tp)
+    w = weights.moe
+    if (w.w1_packed.shape[1], w.shared_down.shape[1]) != (ref.inter, ref.shared) or w.gate.shape != (km.E, km.D):
+        raise UnsupportedConfiguration(
+            "MoE weight shapes", f"experts {tuple(w.w1_packed.shape)}, shared {w.shared_down.shape[1]}",
+            f"Kimi K3 at TP{shard.tp}: experts ({km.E}, {ref.inter}, {km.L // 2}), shared {ref.shared}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != km.D:
+        raise ValueError(f"x must be [tokens, {km.D}], got {tuple(getattr(x, 'shape', ()))}")
+    if not 1 <= x.shape[0] <= km.MAX_M:
+        raise UnsupportedConfiguration("tokens per step (batch x tokens per sequence) in the fused MoE", x.shape[0],
+                                       f"1..{km.MAX_M}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be bfloat16, got {x.dtype}")
+    if x.device.type != "cuda":
+        raise ValueError(f"the fused MoE runs on a CUDA device, got x on {x.device}")
+    for name, t in w.tensors().items():
+        if t.device != x.device:
+            raise ValueError(f"weight {name} is on {t.device}, x on {x.device}: put both on one device")
+    km.check_scales(w.w1_scale, w.w3_scale, w.w2_scale)
+
+
+class FusedMoE:
+    """One decode step of the MoE half (§6.3) on one rank in four launches."""
+
+    def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None):
+        from . import compile as kc
+        from .kernels import moe as km
+
+        check_moe_input(weights, x)
+        self.w, self.x = weights, x
+        w, dev = weights.moe, x.device
+        N = x.shape[0]
+        self.N, self.device = N, dev
+        tp = weights.shard.tp
+        self.shape = shape = km.shapes_for_tp(tp)
+        arch = kc.resolve_arch(arch)
+        mt = km.pick_m_tile(N)
+        self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, arch=arch)), kc.load(km.MoEUpKey(shape, arch=arch)),
+                     kc.load(km.MoEDownKey(shape, arch=arch)), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def nan(*size, dtype=torch.bfloat16):
+            return torch.full(size, float("nan"), dtype=dtype, device=dev)
+
+        I, S = shape.inter, shape.shared
+        self.w_front = torch.cat([w.gate, w.down, w.shared_gate_up], 0).contiguous()  # [E + L + 2S, d]
+        self.bias = w.e_score_correction_bias.float().contiguous()
+        self.w1 = w.w1_packed.view(torch.int32)
+        self.w3 = w.w3_packed.view(torch.int32)
+        self.w2 = w.w2_packed.view(torch.int32)
+        self.s1, self.s3, self.s2 = w.w1_scale, w.w3_scale, w.w2_scale
+        self.norm = w.norm.view(1, km.L)
+        self.front = nan(N, shape.ncat, dtype=torch.float32)
+        self.meta = torch.zeros(4, dtype=torch.int32, device=dev)  # [active experts, router CTA counter, -, -]
+        self.ids = torch.full((N, km.TOPK), -1, dtype=torch.int32, device=dev)
+        self.wts = nan(N, km.TOPK, dtype=torch.float32)
+        self.slot = torch.zeros(N, km.E, dtype=torch.int32, device=dev)
+        self.act = torch.zeros(km.E, dtype=torch.int32, device=dev)
+        self.mask = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)
+        self.a = nan(N, km.TOPK, I)
+        self.a_sh = nan(N, S)
+        # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)
+        self.lat = torch.randn(tp, N, km.L, generator=gen).to(dev)
+        self.sh = torch.randn(tp, N, km.D, generator=gen).to(torch.bfloat16).to(dev)
+        self.coef = torch.zeros(tp, dtype=torch.float32, device=dev)
+        self.coef[0] = 1.0
+        self.r = nan(N, km.L)
+        self.h = nan(N, km.D)
+        self.routing = (self.ids, self.wts)
+        self.buffers = dict(front=self.front, topk_ids=self.ids, topk_weights=self.wts, experts_act=self.a,
+                            shared_act=self.a_sh, latent=self.lat, latent_reduced=self.r, shared_partial=self.sh[0])
+        e_up = _nbytes(w.w1_packed, w.w1_scale, w.w3_packed, w.w3_scale) // km.E
+        e_down = _nbytes(w.w2_packed, w.w2_scale) // km.E
+        from .byte_counts import expected_active_experts
+        act = expected_active_experts(weights.cfg, N)
+        f = self._fns
+        self._launches = [
+            Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
+                   _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
+                   run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.slot,
+                                    self.act, self.mask)),
+            Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
+                   act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
+                   run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.mask,
+                                    self.slot, self.a, self.a_sh)),
+            Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
+                   act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh),
+                   _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
+                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.mask, self.slot, self.wts,
+                                    self.lat, self.coef, self.r, self.a_sh, w.shared_down, self.sh)),
+            Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
+                   _nbytes(w.up, self.r, w.norm, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
+                   run=lambda: f[3](w.up, self.r, self.norm, self.sh, self.coef, self.h)),
+        ]
+
+    def launches(self) -> list[Launch]:
+        return list(self._launches)
+
+    def __call__(self) -> None:
+        for launch in self._launches:
+            launch.run()

@@ -1,0 +1,608 @@
+"""The MoE half of a Kimi K3 layer (`kimi_k3_layer.md` §6.3) in four CuTe DSL launches, one rank.
+
+    1. moe_front   GEMV of x [M, d] against [router | latent down | shared gate/up] rows (fp32 out),
+                   and in the CTA that finishes the router rows last: sigmoid, top-16 on s + bias,
+                   renormalised weights, and the expert-major tables (active experts, token masks).
+    2. moe_up      for every active expert and every token routed to it: z·W1ᵀ, z·W3ᵀ with the
+                   MXFP4 codes decoded in registers, SiTU → a [M, 16, I]; plus the shared SiTU.
+    3. moe_down    for every latent row: Σ over active experts and their tokens of w · a·W2ᵀ
+                   (MXFP4), the rank's latent partial, its one-shot all-reduce read, bf16 r;
+                   and the shared experts' down projection (the rank's partial).
+    4. moe_tail    RMSNorm(r)·W_upᵀ (norm folded into the GEMV: x·w_norm on load, rsqrt(mean r²)
+                   from the same loads), plus the shared all-reduce read, stored bf16.
+
+Stock vLLM spends 15 launches on the same work (docs/stock_schedule.md). Each active
+expert's packed bytes are read once per step (expert-major loops, token masks).
+All-reduces on one GPU are emulated as in the stock schedule: the kernel reads
+`tp` buffers (its own partial and the stand-ins of the peers') weighted by a
+runtime coefficient vector [1, 0, …]; the cross-rank wait is not emulated.
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import compile as kc
+from .gemv import CHUNK, VEC, default_tiling, gemv_partials
+from .mxfp4_decode import MAX_E8M0, decode_word, scale_pair
+
+MAX_M = 64  # tokens in a step (token masks are two 32-bit words)
+TOPK = 16
+E = 896
+L = 3584  # latent
+D = 7168  # hidden
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Static sizes of one rank's MoE block."""
+
+    inter: int  # the rank's expert intermediate rows (384 at TP8, 256 at TP16 incl. padding)
+    shared: int  # the rank's shared-expert intermediate (768 at TP8, 384 at TP16)
+    tp: int
+    beta: float = 4.0
+    beta_lin: float = 25.0
+    eps: float = 1e-5
+    scaling: float = 1.0
+
+    @property
+    def ncat(self) -> int:
+        return E + L + 2 * self.shared
+
+    @property
+    def z0(self) -> int:
+        return E
+
+    @property
+    def sh0(self) -> int:
+        return E + L
+
+
+@dataclass(frozen=True)
+class MoEFrontKey:
+    shape: MoEShape
+    m_tile: int = 1
+    arch: str = "sm_90a"
+
+
+@dataclass(frozen=True)
+class MoEUpKey:
+    shape: MoEShape
+    warps: int = 4
+    rows_per_warp: int = 2
+    arch: str = "sm_90a"
+
+
+@dataclass(frozen=True)
+class MoEDownKey:
+    shape: MoEShape
+    warps: int = 4
+    rows_per_warp: int = 4  # latent rows per warp (lane groups of 32 / rows_per_warp)
+    experts_ahead: int = 8  # experts whose W2 rows are loaded before any is used
+    arch: str = "sm_90a"
+
+
+@dataclass(frozen=True)
+class MoETailKey:
+    shape: MoEShape
+    m_tile: int = 1
+    arch: str = "sm_90a"
+
+
+def _situ(g, u, beta, beta_lin):
+    """SiTU-GLU of fp32 DSL scalars (traced)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+    a = Float32(beta) * cute.math.tanh(g * Float32(1.0 / beta)) * sig
+    if beta_lin > 0:
+        u = Float32(beta_lin) * cute.math.tanh(u * Float32(1.0 / beta_lin))
+    return a * u
+
+
+# --------------------------------------------------------------------------- 1. front + routing
+
+
+def build_front(key: MoEFrontKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, const_expr
+
+    sh = key.shape
+    N, K, MT = sh.ncat, D, key.m_tile
+    R, WARPS, U = default_tiling(N, K, MT)
+    RM = R * MT
+    THREADS = 32 * WARPS
+    NPL = E // 32  # router scores per lane
+    ROUTER_CTAS = E // R
+    SCALING = sh.scaling
+    assert E % R == 0 and N % R == 0
+
+    @cute.kernel
+    def front_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
+                     mIds: cute.Tensor, mWts: cute.Tensor, mSlot: cute.Tensor, mAct: cute.Tensor,
+                     mMask: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, by, _ = cute.arch.block_idx()
+        _, gy, _ = cute.arch.grid_dim()
+        row0 = bx * R
+        m0 = by * MT
+        M = mX.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
+        masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False)
+        if tid < RM:
+            r = tid // MT
+            mi = tid - r * MT
+            s = buf[0, tid]
+            for wi in cutlass.range_constexpr(1, WARPS):
+                s = s + buf[wi, tid]
+            if m0 + mi < M:
+                mO[m0 + mi, row0 + r] = s
+        if bx < ROUTER_CTAS:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tid == 0:
+                old = cute.arch.atomic_add(mMeta.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+                flag[0] = Int32(old == ROUTER_CTAS * gy - 1)
+            cute.arch.barrier()
+            if flag[0] != 0:  # the last router CTA: every logit of the step is written
+                cute.arch.fence_acq_rel_gpu()
+                for e in cutlass.range(tid, E, THREADS):
+                    masks[e, 0] = Int32(0)
+                    masks[e, 1] = Int32(0)
+                if tid == 0:
+                    flag[1] = Int32(0)
+                cute.arch.barrier()
+                for t in cutlass.range(warp, M, WARPS):
+                    sc = cute.make_rmem_tensor((NPL,), Float32)
+                    for j in cutlass.range_constexpr(NPL):
+                        lg = mO[t, lane + 32 * j]
+                        sc[j] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg)) + mBias[lane + 32 * j]
+                    mine = Int32(0)
+                    for kk in cutlass.range_constexpr(TOPK):
+                        bv = sc[0]
+                        bi = lane
+                        for j in cutlass.range_constexpr(1, NPL):
+                            if sc[j] > bv:
+                                bv = sc[j]
+                                bi = lane + 32 * j
+                        for off in cutlass.range_constexpr(5):
+                            ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << (4 - off))
+                            oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << (4 - off))
+                            if ov > bv or (ov == bv and oi < bi):
+                                bv = ov
+                                bi = oi
+                        for j in cutlass.range_constexpr(NPL):
+                            if bi == lane + 32 * j:
+                                sc[j] = -Float32.inf
+                        if lane == kk:
+                            mine = bi
+                    s = Float32(0.0)
+                    if lane < TOPK:
+                        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
+                    tot = cute.arch.warp_reduction_sum(s)
+                    if lane < TOPK:
+                        mIds[t, lane] = mine
+                        mWts[t, lane] = s / tot * Float32(SCALING)
+                        mSlot[t, mine] = lane
+                        word = t // 32
+                        cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
+                cute.arch.barrier()
+                for e in cutlass.range(tid, E, THREADS):
+                    lo = masks[e, 0]
+                    hi = masks[e, 1]
+                    if (lo | hi) != 0:
+                        j = cute.arch.atomic_add(flag.iterator + 1, Int32(1))
+                        mAct[j] = e
+                        mMask[j, 0] = lo
+                        mMask[j, 1] = hi
+                cute.arch.barrier()
+                if tid == 0:
+                    mMeta[0] = flag[1]
+                    mMeta[1] = Int32(0)  # re-arm the counter for the next step
+
+    @cute.jit
+    def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
+                   mIds: cute.Tensor, mWts: cute.Tensor, mSlot: cute.Tensor, mAct: cute.Tensor,
+                   mMask: cute.Tensor, stream):
+        M = mX.shape[0]
+        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mSlot, mAct, mMask).launch(
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
+            smem=4 * WARPS * RM + 8 * E + 64, stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    from cutlass import BFloat16
+    args = (
+        fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E,), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return front_host, args
+
+
+# --------------------------------------------------------------------------- 2. experts gate/up + SiTU
+
+
+def build_up(key: MoEUpKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    sh = key.shape
+    I, S = sh.inter, sh.shared
+    WARPS, RPW = key.warps, key.rows_per_warp
+    RB = WARPS * RPW
+    THREADS = 32 * WARPS
+    NV = (L // 16) // 32  # 16-code vectors per lane per row
+    assert I % RB == 0 and (L // 16) % 32 == 0
+    decode = decode_word()
+    Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
+
+    @cute.kernel
+    def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mSlot: cute.Tensor,
+                  mA: cute.Tensor, mAsh: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, by, _ = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        M = mF.shape[0]
+        if by == gy - 1:  # the shared experts' SiTU, spread over this row of CTAs
+            for idx in cutlass.range(bx * THREADS + tid, M * S, gx * THREADS):
+                t = idx // S
+                c = idx - t * S
+                a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], BETA, BETA_LIN)
+                mAsh[t, c] = a.to(BFloat16)
+        else:
+            nact = mMeta[0]
+            if by < nact:
+                e = mAct[by]
+                lo = mMask[by, 0]
+                hi = mMask[by, 1]
+                gW1 = cute.zipped_divide(mW1, (1, 1, 2))
+                gW3 = cute.zipped_divide(mW3, (1, 1, 2))
+                gF = cute.zipped_divide(mF, (1, 4))
+                i0 = bx * RB + warp * RPW
+                w1 = []
+                w3 = []
+                s1 = []
+                s3 = []
+                for r in cutlass.range_constexpr(RPW):
+                    for j in cutlass.range_constexpr(NV):
+                        v = lane + 32 * j
+                        w1.append(gW1[(None, (e, i0 + r, v))].load())
+                        w3.append(gW3[(None, (e, i0 + r, v))].load())
+                        s1.append(scale_pair(Int32(mS1[e, i0 + r, v // 2])))
+                        s3.append(scale_pair(Int32(mS3[e, i0 + r, v // 2])))
+                for t in cutlass.range(M):
+                    word = lo
+                    if t >= 32:
+                        word = hi
+                    if ((word >> (t & 31)) & 1) != 0:
+                        slot = mSlot[t, e]
+                        h1 = cute.make_rmem_tensor((RPW,), Float32)
+                        h3 = cute.make_rmem_tensor((RPW,), Float32)
+                        for r in cutlass.range_constexpr(RPW):
+                            h1[r] = Float32(0.0)
+                            h3[r] = Float32(0.0)
+                        for j in cutlass.range_constexpr(NV):
+                            v = lane + 32 * j
+                            zq = []
+                            for q in cutlass.range_constexpr(4):
+                                zq.append(gF[(None, (t, (Z0 + 16 * v) // 4 + q))].load())
+                            for r in cutlass.range_constexpr(RPW):
+                                n = r * NV + j
+                                for half in cutlass.range_constexpr(2):
+                                    c1 = decode(w1[n][half], s1[n])
+                                    c3 = decode(w3[n][half], s3[n])
+                                    for k in cutlass.range_constexpr(8):
+                                        zk = zq[half * 2 + k // 4][k % 4]
+                                        h1[r] = h1[r] + c1[k] * zk
+                                        h3[r] = h3[r] + c3[k] * zk
+                        for r in cutlass.range_constexpr(RPW):
+                            g = cute.arch.warp_reduction_sum(h1[r])
+                            u = cute.arch.warp_reduction_sum(h3[r])
+                            if lane == 0:
+                                mA[t, slot, i0 + r] = _situ(g, u, BETA, BETA_LIN).to(BFloat16)
+
+    @cute.jit
+    def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mSlot: cute.Tensor,
+                mA: cute.Tensor, mAsh: cute.Tensor, stream):
+        M = mF.shape[0]
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mMask, mSlot, mA, mAsh).launch(
+            grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    w = fake(Int32, (E, I, L // 8), stride_order=(2, 1, 0), assumed_align=16)
+    s = fake(Uint8, (E, I, L // 32), stride_order=(2, 1, 0), assumed_align=16)
+    args = (
+        fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
+        w, s, w, s,
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, TOPK, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return up_host, args
+
+
+# --------------------------------------------------------------------------- 3. experts down + shared down
+
+
+def build_down(key: MoEDownKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    sh = key.shape
+    I, S, TP = sh.inter, sh.shared, sh.tp
+    WARPS, RPW, UE = key.warps, key.rows_per_warp, key.experts_ahead
+    THREADS = 32 * WARPS
+    G = 32 // RPW  # lanes per latent row
+    NVD = (I // 16) // G  # 16-code vectors per lane
+    RB = WARPS * RPW  # latent rows per CTA
+    NB = L // RB  # routed CTAs
+    SH_VEC = 3  # 8-element bf16 vectors per lane of a shared-down row
+    GS = S // (8 * SH_VEC)  # lanes per shared-down row
+    RPWS = 32 // GS
+    RBS = WARPS * RPWS
+    assert (I // 16) % G == 0 and L % RB == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RBS == 0
+    decode = decode_word()
+
+    @cute.kernel
+    def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                    mMask: cute.Tensor, mSlot: cute.Tensor, mWts: cute.Tensor, mLat: cute.Tensor,
+                    mCoef: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        M = mA.shape[0]
+        if bx < NB:
+            smem = cutlass.utils.SmemAllocator()
+            acc = smem.allocate_tensor(Float32, cute.make_layout((MAX_M, RB), stride=(RB, 1)), byte_alignment=16)
+            for idx in cutlass.range(tid, MAX_M * RB, THREADS):
+                acc[idx // RB, idx % RB] = Float32(0.0)
+            cute.arch.barrier()
+            grp = lane // G
+            gl = lane - grp * G
+            rloc = warp * RPW + grp
+            row = bx * RB + rloc
+            gW2 = cute.zipped_divide(mW2, (1, 1, 2))
+            gA = cute.zipped_divide(mA, (1, 1, 8))
+            nact = mMeta[0]
+            for jb in cutlass.range(0, nact, UE):
+                ws = []
+                ss = []
+                es = []
+                for u in cutlass.range_constexpr(UE):
+                    jj = cutlass.min(jb + u, nact - 1)
+                    e = mAct[jj]
+                    es.append(e)
+                    for j in cutlass.range_constexpr(NVD):
+                        v = gl + G * j
+                        ws.append(gW2[(None, (e, row, v))].load())
+                        ss.append(scale_pair(Int32(mS2[e, row, v // 2])))
+                for u in cutlass.range_constexpr(UE):
+                    if jb + u < nact:
+                        e = es[u]
+                        lo = mMask[jb + u, 0]
+                        hi = mMask[jb + u, 1]
+                        for t in cutlass.range(M):
+                            word = lo
+                            if t >= 32:
+                                word = hi
+                            if ((word >> (t & 31)) & 1) != 0:
+                                slot = mSlot[t, e]
+                                p = Float32(0.0)
+                                for j in cutlass.range_constexpr(NVD):
+                                    v = gl + G * j
+                                    n = u * NVD + j
+                                    for half in cutlass.range_constexpr(2):
+                                        av = gA[(None, (t, slot, 2 * v + half))].load().to(Float32)
+                                        cw = decode(ws[n][half], ss[n])
+                                        for k in cutlass.range_constexpr(8):
+                                            p = p + cw[k] * av[k]
+                                for off in cutlass.range_constexpr(G.bit_length() - 1):
+                                    p = p + cute.arch.shuffle_sync_bfly(p, offset=G >> (off + 1))
+                                if gl == 0:
+                                    acc[t, rloc] = acc[t, rloc] + p * mWts[t, slot]
+            cute.arch.barrier()
+            for idx in cutlass.range(tid, M * RB, THREADS):  # one-shot all-reduce read of this slice
+                t = idx // RB
+                rl = idx - t * RB
+                own = acc[t, rl]
+                mLat[0, t, bx * RB + rl] = own
+                tot = own * mCoef[0]
+                for p_ in cutlass.range_constexpr(1, TP):
+                    tot = tot + mCoef[p_] * mLat[p_, t, bx * RB + rl]
+                mR[t, bx * RB + rl] = tot.to(BFloat16)
+        else:  # shared experts' down projection: this rank's partial
+            grp = lane // GS
+            gl = lane - grp * GS
+            n = (bx - NB) * RBS + warp * RPWS + grp
+            gWd = cute.zipped_divide(mWd, (1, 8))
+            gAs = cute.zipped_divide(mAsh, (1, 8))
+            wv = []
+            for j in cutlass.range_constexpr(SH_VEC):
+                wv.append(gWd[(None, (n, gl + GS * j))].load().to(Float32))
+            for t in cutlass.range(M):
+                p = Float32(0.0)
+                for j in cutlass.range_constexpr(SH_VEC):
+                    av = gAs[(None, (t, gl + GS * j))].load().to(Float32)
+                    p = p + (wv[j] * av).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                for off in cutlass.range_constexpr(GS.bit_length() - 1):
+                    p = p + cute.arch.shuffle_sync_bfly(p, offset=GS >> (off + 1))
+                if gl == 0:
+                    mSh[0, t, n] = p.to(BFloat16)
+
+    @cute.jit
+    def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                  mMask: cute.Tensor, mSlot: cute.Tensor, mWts: cute.Tensor, mLat: cute.Tensor,
+                  mCoef: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                  stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mMask, mSlot, mWts, mLat, mCoef, mR, mAsh, mWd, mSh).launch(
+            grid=(NB + D // RBS, 1, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    args = (
+        fake(BFloat16, (m, TOPK, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (TP,), assumed_align=16),
+        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return down_host, args
+
+
+# --------------------------------------------------------------------------- 4. RMSNorm · up + shared all-reduce
+
+
+def build_tail(key: MoETailKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32
+
+    sh = key.shape
+    N, K, MT, TP = D, L, key.m_tile, sh.tp
+    R, WARPS, U = default_tiling(N, K, MT)
+    RM = R * MT
+    EPS = sh.eps
+
+    @cute.kernel
+    def tail_kernel(mW: cute.Tensor, mX: cute.Tensor, mNorm: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                    mO: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        row0 = bx * R
+        m0 = by * MT
+        M = mX.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM + MT), stride=(RM + MT, 1)),
+                                   byte_alignment=16)
+        gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True)
+        if tid < RM:
+            r = tid // MT
+            mi = tid - r * MT
+            s = buf[0, tid]
+            q = buf[0, RM + mi]
+            for wi in cutlass.range_constexpr(1, WARPS):
+                s = s + buf[wi, tid]
+                q = q + buf[wi, RM + mi]
+            if m0 + mi < M:
+                s = s * cute.math.rsqrt(q * Float32(1.0 / K) + Float32(EPS))
+                for p_ in cutlass.range_constexpr(TP):
+                    s = s + mCoef[p_] * mSh[p_, m0 + mi, row0 + r].to(Float32)
+                mO[m0 + mi, row0 + r] = s.to(BFloat16)
+
+    @cute.jit
+    def tail_host(mW: cute.Tensor, mX: cute.Tensor, mNorm: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                  mO: cute.Tensor, stream):
+        M = mX.shape[0]
+        tail_kernel(mW, mX, mNorm, mSh, mCoef, mO).launch(
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * (RM + MT) + 64,
+            stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    args = (
+        fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (1, K), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (TP, m, N), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (TP,), assumed_align=16),
+        fake(BFloat16, (m, N), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return tail_host, args
+
+
+# --------------------------------------------------------------------------- registry
+
+M_TILES = (1, 8)
+
+
+def shapes_for_tp(tp: int) -> MoEShape:
+    from ..config import KimiK3Config, ShardSpec
+
+    sh = ShardSpec(tp=tp, cfg=KimiK3Config())
+    cfg = sh.cfg
+    return MoEShape(inter=sh.expert_intermediate_local, shared=sh.shared_intermediate, tp=tp, beta=cfg.situ_beta,
+                    beta_lin=cfg.situ_linear_beta, eps=cfg.rms_norm_eps, scaling=cfg.routed_scaling_factor)
+
+
+def aot_keys_for(kind: str):
+    def keys(arch: str):
+        out = []
+        for tp in (8, 16):
+            s = shapes_for_tp(tp)
+            if kind == "front":
+                out += [MoEFrontKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
+            elif kind == "up":
+                out.append(MoEUpKey(s, arch=arch))
+            elif kind == "down":
+                out.append(MoEDownKey(s, arch=arch))
+            else:
+                out += [MoETailKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
+        return out
+    return keys
+
+
+FRONT = kc.register(kc.KernelSpec(name="moe_front", module=__name__, key_type=MoEFrontKey, build=build_front,
+                                  aot_keys=aot_keys_for("front"), ptx_checks=("ld.global.v4", "atom")))
+UP = kc.register(kc.KernelSpec(name="moe_up", module=__name__, key_type=MoEUpKey, build=build_up,
+                               aot_keys=aot_keys_for("up"), ptx_checks=("mul.rn.bf16x2",)))
+DOWN = kc.register(kc.KernelSpec(name="moe_down", module=__name__, key_type=MoEDownKey, build=build_down,
+                                 aot_keys=aot_keys_for("down"), ptx_checks=("mul.rn.bf16x2",)))
+TAIL = kc.register(kc.KernelSpec(name="moe_tail", module=__name__, key_type=MoETailKey, build=build_tail,
+                                 aot_keys=aot_keys_for("tail"), ptx_checks=("ld.global.v4",)))
+
+
+def pick_m_tile(m: int) -> int:
+    return 1 if m == 1 else 8
+
+
+def check_scales(*scales: torch.Tensor) -> None:
+    """The in-register decode needs E8M0 scales <= 128 (|w| <= 12); refuse weights outside that."""
+    for s in scales:
+        mx = int(s.max())
+        if mx > MAX_E8M0:
+            raise ValueError(f"MXFP4 scale byte {mx} > {MAX_E8M0}: weights of magnitude above 12 are outside "
+                             "what the fused MoE decode supports")
+
+
+__all__ = ["MoEShape", "MoEFrontKey", "MoEUpKey", "MoEDownKey", "MoETailKey", "shapes_for_tp", "pick_m_tile",
+           "check_scales", "MAX_M", "TOPK", "CHUNK", "VEC"]

@@ -1,0 +1,86 @@
+"""In-register MXFP4 decode for the fused MoE kernels (`kimi_k3_layer.md` §6.2), SM90.
+
+One 32-bit word holds 8 E2M1 codes (code k in bits 4k..4k+3: the even element in
+the low nibble of each byte). Pairs of codes (k, k+4) sit 16 bits apart, so one
+shift and one mask place both codes' sign / exponent / mantissa bits where a
+bf16 pair has them: magnitude bits to bf16 bits 6..8 and the sign to bit 15.
+That bf16 is the E2M1 value times 2^-126 (codes 0 and 1 become bf16 subnormals,
+which `mul.rn.bf16x2` keeps exact), so one packed multiply by 2^(s-1) (the E8M0
+scale 2^(s-127) times 2^126) yields the exact dequantised pair. The two halves
+then become fp32 by a shift and a mask. Per code: about 2 integer ops and half a
+packed multiply, against 6–8 for a nibble-by-nibble decode.
+
+The scale trick needs 2^(s-1) to be a normal bf16: s <= 128 (|w| <= 12). The
+fused MoE executor checks this before any launch.
+"""
+
+
+MAX_E8M0 = 128  # largest E8M0 scale byte the decode accepts (2^(s-1) must fit bf16)
+
+_DECODE = None
+
+
+def decode_word():
+    """`@dsl_user_op` decode(q, scale_pair) -> [8 × Float32]: the 8 codes of q times the scale.
+
+    q: Int32 word of 8 E2M1 codes; scale_pair: Int32 holding bf16x2 (2^(s-1), 2^(s-1)) from
+    `scale_pair(s)`. Result element k is code k (bits 4k..4k+3) dequantised.
+    """
+    global _DECODE
+    if _DECODE is None:
+        _DECODE = _make_decode()
+    return _DECODE
+
+
+def _make_decode():
+    from cutlass import Float32, Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    # outputs $0..$7 = codes 0..7 (as b32 bit patterns of fp32); inputs $8 = q, $9 = scale pair
+    body = []
+    for step, (lo, hi) in enumerate(((3, 7), (2, 6), (1, 5), (0, 4))):
+        src = "q" if step == 0 else f"q{step}"
+        if step > 0:
+            prev = "q" if step == 1 else f"q{step - 1}"
+            body.append(f"shl.b32 {src}, {prev}, 4;")
+        body += [
+            f"and.b32 sg, {src}, 0x80008000;",
+            f"shr.b32 mg, {src}, 6;",
+            "and.b32 mg, mg, 0x01C001C0;",
+            "or.b32 pr, mg, sg;",
+            "mul.rn.bf16x2 pr, pr, sc;",
+            f"shl.b32 ${lo}, pr, 16;",
+            f"and.b32 ${hi}, pr, 0xFFFF0000;",
+        ]
+    asm = ("{\n.reg .b32 q, q1, q2, q3, sg, mg, pr, sc;\nmov.b32 q, $8;\nmov.b32 sc, $9;\n"
+           + "\n".join(body) + "\n}")
+
+    @dsl_user_op
+    def decode(q, scale_pair, *, loc=None, ip=None):
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 8),
+            [Int32(q).ir_value(loc=loc, ip=ip), Int32(scale_pair).ir_value(loc=loc, ip=ip)],
+            asm,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+        out = []
+        for k in range(8):
+            bits = llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)
+            out.append(Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip)))
+        return out
+
+    return decode
+
+
+def scale_pair(s):
+    """bf16x2 (2^(s-1), 2^(s-1)) as an Int32 from an E8M0 byte s (traced; s <= MAX_E8M0)."""
+    from cutlass import Int32
+
+    b = (Int32(s) + Int32(126)) << 7
+    return b | (b << 16)

@@ -1,0 +1,151 @@
+"""Check and time the MoE half of a layer (§6.3): the stock schedule's 15 launches vs the fused 4.
+
+Same protocol as `sweeps` (the field's standard): fresh random input each
+configuration, NaN-poisoned outputs, comparison with the fp32 reference (and its
+bf16-storage twin for the tolerance), then CUDA-graph timing of several layer
+copies (distinct weights, so nothing is L2-hot), kernels counted in the captured
+graph, bytes over the measured copy bandwidth for the floor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import torch
+
+from .accuracy import all_written, routing_agreement, within_bf16_rule
+from .byte_counts import moe_replicated_bytes, routed_expert_bytes, shared_expert_bytes
+from .config import ShardSpec
+from .reference import Storage
+from .reference.moe import moe_block_one_rank
+from .weights import LayerWeights, make_layer_weights
+
+MOE_EXECUTORS = ("stock", "fused")
+
+
+def make_moe_executor(name: str):
+    """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches) or 'fused' (4 CuTe DSL launches)."""
+    if name == "stock":
+        from .stock.schedule import StockMoEHalf
+        return StockMoEHalf
+    if name == "fused":
+        from .fused_moe import FusedMoE
+        return FusedMoE
+    raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS}, got {name!r}")
+
+
+def moe_input(tokens: int, d: int, seed: int, device) -> torch.Tensor:
+    """A fresh MoE input: unit-RMS rows like an RMSNorm output, bf16."""
+    g = torch.Generator(device="cpu").manual_seed(10_000 + seed)
+    return torch.randn(tokens, d, generator=g).to(torch.bfloat16).to(device)
+
+
+def moe_streamed_bytes(shard: ShardSpec, active_experts: int, tokens: int) -> int:
+    """Weight bytes the MoE half must stream (replicated bf16, shared experts, active experts) plus
+    its activations in and out (bf16)."""
+    d = shard.cfg.hidden_size
+    return (moe_replicated_bytes(shard.cfg) + shared_expert_bytes(shard) + active_experts * routed_expert_bytes(shard)
+            + 2 * tokens * d * 2)
+
+
+def check_moe(make, w: LayerWeights, x: torch.Tensor) -> dict:
+    """One step of `make(w, x)` against the fp32 reference of the MoE half (bf16 accuracy rule)."""
+    ref, routing = moe_block_one_rank(x, w.moe, w.cfg)
+    ref_bf, _ = moe_block_one_rank(x, w.moe, w.cfg, Storage.BF16)
+    ex = make(w, x)
+    ex()
+    torch.cuda.synchronize()
+    out = ex.h
+    keep, flips, ties = routing_agreement(ex.routing[0], x, w.moe, w.cfg)
+    keep = keep.to(out.device)
+    ok, err, bound = within_bf16_rule(out[keep].float(), ref[keep], ref_bf[keep])
+    written = all_written(out)
+    return {"check_ok": bool(ok and written and ties), "err_vs_fp32": err, "err_bound": bound,
+            "all_written": written, "routing_flips": flips,
+            "active_experts": int(torch.unique(routing.ids).numel())}
+
+
+def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] = (8,),
+                  batches: Iterable[int] = (1, 8, 64), tokens: Iterable[int] = (1,), replays: int = 100,
+                  out_csv: str | Path | None = None, timed: bool = True, progress: bool = True,
+                  seed: int = 0) -> pd.DataFrame:
+    """Check (and with `timed`, time) each executor's MoE half over TP, batch and tokens per sequence."""
+    from tqdm.auto import tqdm
+
+    from .bench import measure_copy_bandwidth, provenance, time_graph
+    from .sweeps import choose_copies, weight_copy
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the MoE sweep needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+    executors, tps, batches, tokens = list(executors), list(tps), list(batches), list(tokens)
+    copy_bw = measure_copy_bandwidth() if timed else float("nan")
+    prov = provenance()
+    rows = []
+    configs = [(tp, b, n) for tp in tps for b in batches for n in tokens]
+    bar = tqdm(total=len(configs) * len(executors), desc="MoE half", disable=not progress)
+    for tp in tps:
+        shard = ShardSpec(tp=tp)
+        w = make_layer_weights("kda_moe", shard, seed=seed).to("cuda")
+        copies_w = None
+        for b, n in [(b, n) for b in batches for n in tokens]:
+            N = b * n
+            x = moe_input(N, shard.cfg.hidden_size, seed + 31 * N + tp, "cuda")
+            for name in executors:
+                make = make_moe_executor(name)
+                row = {"executor": name, "part": "moe_half", "tp": tp, "batch": b, "tokens_per_seq": n}
+                try:
+                    row.update(check_moe(make, w, x))
+                    if row["check_ok"] and timed:
+                        streamed = moe_streamed_bytes(shard, row["active_experts"], N)
+                        copies = choose_copies(streamed)
+                        if copies_w is None or len(copies_w) < copies:
+                            copies_w = [w] + [weight_copy(w, i) for i in range(1, copies)]
+                        execs = [make(copies_w[i], moe_input(N, shard.cfg.hidden_size, seed + i, "cuda"))
+                                 for i in range(copies)]
+                        t = time_graph(execs, replays=replays)
+                        row.update(us_median=t.us_median, us_p10=t.us_p10, us_p90=t.us_p90, replays=t.replays,
+                                   copies=copies, kernels_measured=t.kernels_per_layer,
+                                   kernels_inventory=len(execs[0].launches()), bytes_streamed=streamed,
+                                   achieved_GBps=streamed / (t.us_median * 1e-6) / 1e9, copy_bw_GBps=copy_bw / 1e9,
+                                   floor_us=streamed / copy_bw * 1e6)
+                        row["floor_ratio"] = row["us_median"] / row["floor_us"]
+                        del execs
+                except Exception as e:  # record and go on
+                    row.update(check_ok=False, error=f"{type(e).__name__}: {e}"[:500])
+                row.update(prov)
+                rows.append(row)
+                if out_csv:
+                    pd.DataFrame(rows).to_csv(out_csv, index=False)
+                bar.update(1)
+                if progress:
+                    tqdm.write(_summary(row))
+        del w, copies_w
+        torch.cuda.empty_cache()
+    bar.close()
+    df = pd.DataFrame(rows)
+    return add_speedup(df)
+
+
+def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
+    """Stock µs over fused µs for each (tp, batch, tokens) measured by both."""
+    if "us_median" not in df or not {"stock", "fused"} <= set(df.executor):
+        return df
+    key = ["tp", "batch", "tokens_per_seq"]
+    stock = df[df.executor == "stock"].set_index(key).us_median.rename("stock_us")
+    df = df.join(stock, on=key)
+    df["speedup_vs_stock"] = df.stock_us / df.us_median
+    return df.drop(columns="stock_us")
+
+
+def _summary(r: dict) -> str:
+    head = f"{r['executor']:<6} moe tp{r['tp']:<3} b{r['batch']:<3} t{r['tokens_per_seq']}"
+    if not r.get("check_ok"):
+        return (f"{head} FAILED {r.get('error', '')} err={r.get('err_vs_fp32', float('nan')):.2e} "
+                f"bound={r.get('err_bound', float('nan')):.2e} written={r.get('all_written')}")
+    if "us_median" not in r:
+        return f"{head} check ok err {r['err_vs_fp32']:.1e} (bound {r['err_bound']:.1e}) flips {r['routing_flips']}"
+    return (f"{head} {r['us_median']:8.1f} us [{r['us_p10']:.1f},{r['us_p90']:.1f}] kernels "
+            f"{r['kernels_measured']:.0f}/{r['kernels_inventory']} {r['achieved_GBps']:6.0f} GB/s floor "
+            f"{r['floor_us']:.1f} us (x{r['floor_ratio']:.2f}) err {r['err_vs_fp32']:.1e} flips {r['routing_flips']}")

@@ -1,0 +1,154 @@
+"""The fused MoE half (4 CuTe DSL launches): input checks on CPU, correctness on a GPU."""
+
+import pytest
+import torch
+
+from kimi_decode.config import KimiK3Config, ShardSpec
+from kimi_decode.fused_moe import FusedMoE, check_moe_input
+from kimi_decode.support import UnsupportedConfiguration
+from kimi_decode.weights import make_layer_weights
+
+D = 7168
+
+
+@pytest.fixture(scope="module")
+def meta_weights():
+    return make_layer_weights("kda_moe", ShardSpec(tp=8), device="meta")
+
+
+def test_refuses_dense_layer():
+    w = make_layer_weights("dense", ShardSpec(tp=8), device="meta")
+    with pytest.raises(UnsupportedConfiguration, match="MoE layers"):
+        check_moe_input(w, torch.zeros(1, D, dtype=torch.bfloat16))
+
+
+def test_refuses_bad_inputs(meta_weights):
+    with pytest.raises(ValueError, match=r"\[tokens, 7168\]"):
+        check_moe_input(meta_weights, torch.zeros(1, 7000, dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedConfiguration, match="1..64"):
+        check_moe_input(meta_weights, torch.zeros(65, D, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        check_moe_input(meta_weights, torch.zeros(1, D, dtype=torch.float32))
+    with pytest.raises(ValueError, match="CUDA device"):
+        check_moe_input(meta_weights, torch.zeros(1, D, dtype=torch.bfloat16))
+
+
+def test_refuses_other_shapes(tiny_cfg):
+    w = make_layer_weights("kda_moe", ShardSpec(tp=2, cfg=tiny_cfg), device="meta")
+    with pytest.raises(UnsupportedConfiguration):
+        check_moe_input(w, torch.zeros(1, D, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_stock_moe_half_is_fifteen_launches_and_matches_the_reference(tiny_cfg, tokens):
+    """The baseline of the fused MoE: the stock schedule's MoE part alone, against the MoE reference."""
+    from kimi_decode.accuracy import routing_agreement, within_bf16_rule
+    from kimi_decode.moe_bench import moe_input
+    from kimi_decode.reference import Storage
+    from kimi_decode.reference.moe import moe_block_one_rank
+    from kimi_decode.stock.schedule import StockMoEHalf
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = make_layer_weights("kda_moe", ShardSpec(tp=2, cfg=tiny_cfg), seed=5).to(dev)
+    x = moe_input(tokens, tiny_cfg.hidden_size, seed=tokens, device=dev)
+    ref, _ = moe_block_one_rank(x, w.moe, tiny_cfg)
+    ref_bf, _ = moe_block_one_rank(x, w.moe, tiny_cfg, Storage.BF16)
+    half = StockMoEHalf(w, x)
+    assert len(half.launches()) == 15 and all(l.label.startswith("moe.") for l in half.launches())
+    half()
+    keep, flips, ties = routing_agreement(half.routing[0], x, w.moe, tiny_cfg)
+    assert ties
+    ok, err, bound = within_bf16_rule(half.h[keep.to(half.h.device)].float(), ref[keep], ref_bf[keep])
+    assert ok, (err, bound)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _weights(tp):
+    return make_layer_weights("kda_moe", ShardSpec(tp=tp), seed=3).to("cuda")
+
+
+@pytest.fixture(scope="module")
+def w8():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _weights(8)
+
+
+def _check(w, x):
+    from kimi_decode.moe_bench import check_moe, make_moe_executor
+    r = check_moe(make_moe_executor("fused"), w, x)
+    assert r["all_written"], r
+    assert r["check_ok"], r
+    return r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (2, 1), (8, 1), (17, 1), (64, 1), (1, 4), (1, 8), (2, 4),
+                                          (8, 8), (16, 4), (17, 3)])
+def test_fused_matches_reference_tp8(w8, batch, tokens):
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(batch * tokens, D, seed=batch * 100 + tokens, device="cuda")
+    _check(w8, x)
+
+
+@pytest.mark.gpu
+def test_fused_every_token_on_the_same_experts(w8):
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(1, D, seed=7, device="cuda").repeat(12, 1)
+    r = _check(w8, x)
+    assert r["active_experts"] == 16
+
+
+@pytest.mark.gpu
+def test_fused_no_two_tokens_share_an_expert(w8):
+    """Router rows aligned with the tokens: token t picks experts 16t..16t+15 alone."""
+    import dataclasses
+
+    from kimi_decode.moe_bench import moe_input
+    n = 8
+    x = moe_input(n, D, seed=11, device="cuda")
+    gate = w8.moe.gate.clone()
+    xn = x.float() / x.float().norm(dim=1, keepdim=True)
+    gate[: 16 * n] = (0.05 * xn.repeat_interleave(16, 0)).to(torch.bfloat16)
+    w = dataclasses.replace(w8, moe=dataclasses.replace(w8.moe, gate=gate))
+    r = _check(w, x)
+    assert r["active_experts"] == 16 * n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_matches_reference_tp16(batch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kimi_decode.moe_bench import moe_input
+    _check(_weights(16), moe_input(batch, D, seed=batch, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_fused_runs_in_four_kernels_under_a_cuda_graph(w8):
+    from kimi_decode.bench import time_graph
+    from kimi_decode.moe_bench import moe_input
+    ex = FusedMoE(w8, moe_input(4, D, seed=1, device="cuda"))
+    t = time_graph([ex], replays=5)
+    assert t.kernels_per_layer == 4 == len(ex.launches())
+    assert torch.isfinite(ex.h).all()
+
+
+@pytest.mark.gpu
+def test_fused_refuses_scales_outside_the_decode_range(w8):
+    import dataclasses
+    from kimi_decode.moe_bench import moe_input
+    s = w8.moe.w2_scale.clone()
+    s[0, 0, 0] = 200
+    w = dataclasses.replace(w8, moe=dataclasses.replace(w8.moe, w2_scale=s))
+    with pytest.raises(ValueError, match="scale byte 200"):
+        FusedMoE(w, moe_input(1, D, seed=0, device="cuda"))
+
+
+def test_config_sizes_match_the_kernels():
+    from kimi_decode.kernels import moe as km
+    cfg = KimiK3Config()
+    assert (km.E, km.L, km.D, km.TOPK) == (cfg.num_experts, cfg.routed_expert_hidden_size, cfg.hidden_size,
+                                           cfg.num_experts_per_token)
