@@ -110,6 +110,13 @@ def _cmd_moe(args) -> int:
     return 0 if bool(df.check_ok.all()) else 1
 
 
+def _cmd_results(args) -> int:
+    from .measured import results_markdown
+
+    print(results_markdown(args.name))
+    return 0
+
+
 def _cmd_profile(args) -> int:
     from .profile import ProfileRequest, ProfilerUnavailable, profile, profile_folder
 
@@ -219,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_moe)
+
+    p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")
+    p.add_argument("name")
+    p.set_defaults(func=_cmd_results)
 
     p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",
                        description="Profile one decode step of an executor with Nsight Compute (nsight-python where "

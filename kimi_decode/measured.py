@@ -36,3 +36,32 @@ def provenance_summary(df: pd.DataFrame) -> str:
             if vals:
                 parts.append(f"{col}={vals[0] if len(vals) == 1 else vals[0] + '…' + vals[-1]}")
     return ", ".join(parts)
+
+
+def markdown_table(df: pd.DataFrame, columns: list[str] | None = None, digits: int = 1) -> str:
+    """A GitHub-markdown table of `df` (for docs: paste the command's output, never typed figures)."""
+    cols = [c for c in (columns or list(df.columns)) if c in df.columns]
+
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return "" if v != v else f"{v:,.{digits}f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    return "\n".join(lines)
+
+
+RESULT_COLUMNS = {
+    "stock": ["executor", "layer", "tp", "batch", "context", "us_median", "us_p10", "us_p90", "kernels_measured",
+              "kernels_inventory", "achieved_GBps", "floor_us", "fraction_of_floor", "check_ok"],
+    "moe": ["executor", "tp", "batch", "tokens_per_seq", "us_median", "us_p10", "us_p90", "kernels_measured",
+            "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
+}
+
+
+def results_markdown(name: str, kind: str | None = None) -> str:
+    """The docs table of a measured CSV (`kimi-decode results NAME`), with its provenance line."""
+    df = load(name)
+    kind = kind or ("moe" if "floor_ratio" in df.columns else "stock")
+    return markdown_table(df, RESULT_COLUMNS[kind]) + f"\n\nMeasured: {provenance_summary(df)}."

@@ -146,3 +146,161 @@ def plot_floor_vs_batch(df, tp: int = 8, ax=None):
     ax.grid(alpha=0.3)
     ax.figure.tight_layout()
     return ax
+
+
+# ------------------------------------------------------------ Nsight Compute profiles (kimi_decode.profile)
+
+
+def _launch_labels(df) -> list[str]:
+    """The y labels of a profile frame: its `label` column (e.g. '03 moe.router'), else order + kernel.
+
+    Where the labels repeat (executors profiled as one unlabelled 'step'), the kernel name is added.
+    """
+    kernels = [str(k) for k in df["kernel"]] if "kernel" in df.columns else [""] * len(df)
+    orders = list(df["order"]) if "order" in df.columns else list(range(1, len(df) + 1))
+    if "label" in df.columns:
+        labels = ["" if (isinstance(v, float) and v != v) else str(v) for v in df["label"]]
+    else:
+        labels = [""] * len(df)
+    if len(set(labels)) < len(labels) or not all(labels):
+        labels = [f"{int(o):02d} {lab + ': ' if lab else ''}{k[:48]}" for o, lab, k in zip(orders, labels, kernels)]
+    return labels
+
+
+def _profile_name(df) -> str:
+    """'<executor> <config>' of a loaded profile (from its folder), or '' for a frame never saved."""
+    folder = df.attrs.get("folder") if hasattr(df, "attrs") else None
+    if folder:
+        from pathlib import Path
+
+        p = Path(folder)
+        return f"{p.parent.name} {p.name}"
+    return ""
+
+
+def _profile_gpu(df) -> str:
+    prov = df.attrs.get("provenance", {}) if hasattr(df, "attrs") else {}
+    return prov.get("gpu") or "the GPU"
+
+
+def _durations_us(df) -> list[float]:
+    col = df["duration_us"] if "duration_us" in df.columns else df["duration_ns"] / 1e3
+    return [float(v) for v in col]
+
+
+def plot_profile_durations(df, ax=None, title: str | None = None):
+    """One horizontal bar per kernel launch of a saved Nsight Compute profile, in launch order.
+
+    x is the launch's duration in µs (``gpu__time_duration`` under ncu: cold L2, clocks unlocked);
+    each bar is annotated with its share of the layer time (sum of all launches of the profile).
+    """
+    if len(df) == 0:
+        raise ValueError("the profile holds no kernel launches")
+    us = _durations_us(df)
+    total = sum(us)
+    share = [float(v) for v in df["share_of_layer"]] if "share_of_layer" in df.columns else [u / total for u in us]
+    labels = _launch_labels(df)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 1.4 + 0.34 * len(df)))
+    y = list(range(len(df)))
+    ax.barh(y, us, color="tab:blue", label="µs of the launch\n(label: share of the\nsummed layer time)")
+    for yi, u, s in zip(y, us, share):
+        ax.text(u, yi, f" {s:.1%}", va="center", fontsize=8)
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(us) * 1.18 if max(us) > 0 else 1)
+    ax.set_xlabel("µs per launch (Nsight Compute gpu__time_duration; cold L2, clocks unlocked)")
+    ax.set_ylabel("kernel launch, in launch order")
+    name = _profile_name(df)
+    ax.set_title(title or f"{name + ': ' if name else ''}{len(df)} kernel launches, {total:,.1f} µs summed "
+                          f"(per-kernel times under ncu on {_profile_gpu(df)})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_profile_bandwidth(df, copy_bw: float = H200_COPY_BANDWIDTH, ax=None, title: str | None = None):
+    """Achieved DRAM bandwidth (read + written bytes / duration, GB/s) per launch, against the copy bandwidth.
+
+    Needs the DRAM byte counters, i.e. a profile collected with the 'memory' or 'full' metric set;
+    `copy_bw` is in bytes/s (default: the H200's measured copy bandwidth, read + write counted).
+    """
+    if "dram_GBps" not in df.columns or df["dram_GBps"].isna().all():
+        raise ValueError("this profile has no DRAM bandwidth (dram_GBps): it needs the DRAM byte counters of the "
+                         "'memory' or 'full' metric set; re-profile with `kimi-decode profile --metrics full` "
+                         "(or --metrics memory)")
+    if len(df) == 0:
+        raise ValueError("the profile holds no kernel launches")
+    gbps = [float(v) for v in df["dram_GBps"]]
+    copy_gbps = copy_bw / 1e9
+    labels = _launch_labels(df)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 1.6 + 0.34 * len(df)))
+    y = list(range(len(df)))
+    ax.barh(y, [0.0 if g != g else g for g in gbps], color="tab:green",
+            label="achieved DRAM GB/s,\nread + write (label: share\nof the copy bandwidth)")
+    for yi, g in zip(y, gbps):
+        ax.text(0.0 if g != g else g, yi, " n/a" if g != g else f" {g / copy_gbps:.0%}", va="center", fontsize=8)
+    ax.axvline(copy_gbps, color="tab:red", ls="--",
+               label=f"measured copy bandwidth\n{copy_gbps:,.0f} GB/s ({copy_bw / 1e12:.2f} TB/s,\nread + write)")
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    finite = [g for g in gbps if g == g]
+    ax.set_xlim(0, max(finite + [copy_gbps]) * 1.25)
+    ax.set_xlabel("GB/s achieved from DRAM ((dram bytes read + written) / kernel duration)")
+    ax.set_ylabel("kernel launch, in launch order")
+    name = _profile_name(df)
+    ax.set_title(title or f"{name + ': ' if name else ''}DRAM bandwidth per launch on {_profile_gpu(df)}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
+def plot_profiles_side_by_side(frames: dict, ax=None, title: str | None = None):
+    """One stacked horizontal bar per executor: its launches' durations (µs) end to end, in launch order.
+
+    `frames` maps a name (e.g. 'stock-moe', 'fused-moe') to a profile frame; the end of each bar
+    gives the executor's kernel count and its summed µs.
+    """
+    from matplotlib.patches import Patch
+
+    if not frames:
+        raise ValueError("no profiles to compare: pass {name: profile frame}")
+    names = list(frames)
+    totals = []
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.6 + 0.7 * len(names)))
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(names):
+        df = frames[name]
+        us = _durations_us(df)
+        left = 0.0
+        for j, u in enumerate(us):
+            ax.barh(i, u, left=left, color=cmap(j % 20), edgecolor="white", linewidth=0.6, height=0.6)
+            left += u
+        totals.append(left)
+        ax.text(left, i, f"  {len(us)} kernels, {left:,.1f} µs", va="center", fontsize=9)
+    # launch numbers inside segments wide enough to hold them
+    span = max(totals) if max(totals) > 0 else 1.0
+    for i, name in enumerate(names):
+        df = frames[name]
+        us = _durations_us(df)
+        left = 0.0
+        for j, u in enumerate(us):
+            if u > 0.035 * span:
+                ax.text(left + u / 2, i, str(j + 1), ha="center", va="center", fontsize=7, color="black")
+            left += u
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, span * 1.35)
+    ax.set_xlabel("µs per step: per-kernel Nsight Compute durations summed (cold L2, clocks unlocked)")
+    ax.set_ylabel("executor")
+    ax.legend(handles=[Patch(facecolor=cmap(0), edgecolor="white"), Patch(facecolor="none", edgecolor="none")],
+              labels=["one segment = one kernel\nlaunch (numbered, in\nlaunch order)",
+                      "bar end: kernel count\nand summed µs"],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title or "Kernel launches per step, stacked: " + " vs ".join(names))
+    ax.figure.tight_layout()
+    return ax

@@ -33,3 +33,12 @@ def test_gemv_evidence_plots_and_beats_cublas_at_m1():
 def test_missing_file_error_names_what_exists():
     with pytest.raises(FileNotFoundError, match="available"):
         measured.load("no_such_file")
+
+
+def test_markdown_table_formats_what_it_is_given():
+    import pandas as pd
+
+    from kimi_decode.measured import markdown_table
+    df = pd.DataFrame({"executor": ["stock", "fused"], "us_median": [101.234, float("nan")], "other": [1, 2]})
+    md = markdown_table(df, ["executor", "us_median", "missing"])
+    assert md.splitlines() == ["| executor | us_median |", "|---|---|", "| stock | 101.2 |", "| fused |  |"]
