@@ -233,15 +233,29 @@ def _import_ncu_report():
         import ncu_report  # the PyPI `ncu-report` package, or Nsight Compute's extras/python
         return ncu_report
     except ImportError:
-        exe = ncu_path()
-        if exe:
-            extras = Path(os.path.realpath(exe)).parent / "extras" / "python"
-            if extras.is_dir():
+        for extras in _ncu_extras_candidates():
+            if (extras / "ncu_report.py").is_file():
                 sys.path.insert(0, str(extras))
                 import ncu_report
                 return ncu_report
     raise ProfilerUnavailable("cannot import Nsight Compute's `ncu_report` module (pip install ncu-report, "
                               "or keep ncu's extras/python next to the ncu binary)")
+
+
+def _ncu_extras_candidates() -> list[Path]:
+    """Folders that may hold Nsight Compute's `ncu_report.py` (next to the ncu binary, or in the
+    install tree it links into, or the usual install roots)."""
+    import glob
+
+    out: list[Path] = []
+    exe = ncu_path()
+    if exe:
+        for base in (Path(exe).parent, Path(os.path.realpath(exe)).parent):
+            out += [base / "extras" / "python", base.parent / "extras" / "python"]
+            out += [Path(p) for p in sorted(glob.glob(str(base.parent / "nsight-compute*" / "extras" / "python")))]
+    for pattern in ("/opt/nvidia/nsight-compute/*/extras/python", "/usr/local/cuda*/nsight-compute*/extras/python"):
+        out += [Path(p) for p in sorted(glob.glob(pattern), reverse=True)]
+    return out
 
 
 def read_report(path: str | Path, metrics: list[str]) -> list[dict]:

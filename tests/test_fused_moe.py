@@ -111,7 +111,7 @@ def test_fused_no_two_tokens_share_an_expert(w8):
     x = moe_input(n, D, seed=11, device="cuda")
     gate = w8.moe.gate.clone()
     xn = x.float() / x.float().norm(dim=1, keepdim=True)
-    gate[: 16 * n] = (0.05 * xn.repeat_interleave(16, 0)).to(torch.bfloat16)
+    gate[: 16 * n] = (0.5 * xn.repeat_interleave(16, 0)).to(torch.bfloat16)
     w = dataclasses.replace(w8, moe=dataclasses.replace(w8.moe, gate=gate))
     r = _check(w, x)
     assert r["active_experts"] == 16 * n
