@@ -23,18 +23,18 @@ M=data/measured/incoming
 
 stage_cmd() {
   case "$1" in
-    env) echo "nvidia-smi; ncu --version; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
+    env) echo "nvidia-smi; ncu --version; readlink -f \$(which ncu); ls -d /opt/nvidia/nsight-compute/*/extras/python /usr/local/cuda*/nsight-compute*/extras/python 2>/dev/null; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_schedule.py tests/test_sweeps.py tests/test_stock_triton_small.py tests/test_stock_triton_kda.py tests/test_stock_triton_mla.py tests/test_stock_triton_moe.py tests/test_compile_peer.py" ;;
     sweep-tp8) echo "$KD sweep --executor stock --tps 8 --no-progress --out $M/stock_h200_tp8.csv" ;;
     sweep-tp16) echo "$KD sweep --executor stock --tps 16 --no-progress --out $M/stock_h200_tp16.csv" ;;
-    check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 1,2,4,8 --no-progress --out $M/stock_h200_check_verify.csv" ;;
+    check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 4,8 --no-progress --out $M/stock_h200_check_verify.csv" ;;
     compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
     compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
     moe-bench) echo "$KD moe --executors stock,fused --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
-    profile-moe) echo "for b in 1 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
+    profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
     profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
     profile-stock-b64) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 64 || exit 1; done" ;;
     *) return 1 ;;
