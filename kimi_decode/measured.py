@@ -44,7 +44,9 @@ def markdown_table(df: pd.DataFrame, columns: list[str] | None = None, digits: i
 
     def fmt(v) -> str:
         if isinstance(v, float):
-            return "" if v != v else f"{v:,.{digits}f}"
+            if v != v:
+                return ""
+            return f"{v:,.{digits + 1 if abs(v) < 10 else digits}f}"
         return str(v)
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -39,6 +39,7 @@ def test_markdown_table_formats_what_it_is_given():
     import pandas as pd
 
     from kimi_decode.measured import markdown_table
-    df = pd.DataFrame({"executor": ["stock", "fused"], "us_median": [101.234, float("nan")], "other": [1, 2]})
+    df = pd.DataFrame({"executor": ["stock", "fused", "x"], "us_median": [101.234, float("nan"), 0.4567], "other": [1, 2, 3]})
     md = markdown_table(df, ["executor", "us_median", "missing"])
-    assert md.splitlines() == ["| executor | us_median |", "|---|---|", "| stock | 101.2 |", "| fused |  |"]
+    assert md.splitlines() == ["| executor | us_median |", "|---|---|", "| stock | 101.2 |", "| fused |  |",
+                               "| x | 0.46 |"]
