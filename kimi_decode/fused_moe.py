@@ -91,10 +91,12 @@ class FusedMoE:
         self.meta = torch.zeros(4, dtype=torch.int32, device=dev)  # [active experts, router CTA counter, -, -]
         self.ids = torch.full((N, km.TOPK), -1, dtype=torch.int32, device=dev)
         self.wts = nan(N, km.TOPK, dtype=torch.float32)
-        self.slot = torch.zeros(N, km.E, dtype=torch.int32, device=dev)
+        self.we = torch.zeros(km.E, N, dtype=torch.float32, device=dev)  # routing weight of (expert, token)
         self.act = torch.zeros(km.E, dtype=torch.int32, device=dev)
         self.mask = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)
-        self.a = nan(N, km.TOPK, I)
+        self.a = nan(min(km.TOPK * N, km.E), N, I)  # SiTU output per (active expert, token)
+        down_key = km.MoEDownKey(shape, arch=arch)
+        self.cnt = torch.zeros(km.L // (down_key.warps * down_key.rows_per_warp), dtype=torch.int32, device=dev)
         self.a_sh = nan(N, S)
         # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)
         self.lat = torch.randn(tp, N, km.L, generator=gen).to(dev)
@@ -114,17 +116,17 @@ class FusedMoE:
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
-                   run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.slot,
+                   run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
                                     self.act, self.mask)),
             Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
                    act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
                    run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.mask,
-                                    self.slot, self.a, self.a_sh)),
+                                    self.a, self.a_sh, self.lat)),
             Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
                    act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh),
                    _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
-                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.mask, self.slot, self.wts,
-                                    self.lat, self.coef, self.r, self.a_sh, w.shared_down, self.sh)),
+                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.mask, self.we, self.lat,
+                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh)),
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
                    _nbytes(w.up, self.r, w.norm, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
                    run=lambda: f[3](w.up, self.r, self.norm, self.sh, self.coef, self.h)),

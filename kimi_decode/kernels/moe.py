@@ -4,10 +4,12 @@
                    and in the CTA that finishes the router rows last: sigmoid, top-16 on s + bias,
                    renormalised weights, and the expert-major tables (active experts, token masks).
     2. moe_up      for every active expert and every token routed to it: z·W1ᵀ, z·W3ᵀ with the
-                   MXFP4 codes decoded in registers, SiTU → a [M, 16, I]; plus the shared SiTU.
-    3. moe_down    for every latent row: Σ over active experts and their tokens of w · a·W2ᵀ
-                   (MXFP4), the rank's latent partial, its one-shot all-reduce read, bf16 r;
-                   and the shared experts' down projection (the rank's partial).
+                   MXFP4 codes decoded in registers, SiTU → a [active expert, M, I]; plus the
+                   shared SiTU, and zeroing the rank's latent accumulator.
+    3. moe_down    for every latent row block, split over `expert_splits` CTAs: Σ over their
+                   active experts and tokens of w · a·W2ᵀ (MXFP4), added into the rank's latent
+                   partial (red.add); the block's last CTA does the one-shot all-reduce read of
+                   the slice, bf16 r. Other CTAs: the shared experts' down projection.
     4. moe_tail    RMSNorm(r)·W_upᵀ (norm folded into the GEMV: x·w_norm on load, rsqrt(mean r²)
                    from the same loads), plus the shared all-reduce read, stored bf16.
 
@@ -79,7 +81,8 @@ class MoEDownKey:
     shape: MoEShape
     warps: int = 4
     rows_per_warp: int = 4  # latent rows per warp (lane groups of 32 / rows_per_warp)
-    experts_ahead: int = 8  # experts whose W2 rows are loaded before any is used
+    experts_ahead: int = 4  # experts whose W2 rows are loaded before any is used
+    expert_splits: int = 4  # CTAs sharing a row block's experts (partials meet through red.add)
     arch: str = "sm_90a"
 
 
@@ -122,7 +125,7 @@ def build_front(key: MoEFrontKey):
 
     @cute.kernel
     def front_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
-                     mIds: cute.Tensor, mWts: cute.Tensor, mSlot: cute.Tensor, mAct: cute.Tensor,
+                     mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
                      mMask: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
@@ -191,7 +194,7 @@ def build_front(key: MoEFrontKey):
                     if lane < TOPK:
                         mIds[t, lane] = mine
                         mWts[t, lane] = s / tot * Float32(SCALING)
-                        mSlot[t, mine] = lane
+                        mWe[mine, t] = s / tot * Float32(SCALING)
                         word = t // 32
                         cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
                 cute.arch.barrier()
@@ -210,10 +213,10 @@ def build_front(key: MoEFrontKey):
 
     @cute.jit
     def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
-                   mIds: cute.Tensor, mWts: cute.Tensor, mSlot: cute.Tensor, mAct: cute.Tensor,
+                   mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
                    mMask: cute.Tensor, stream):
         M = mX.shape[0]
-        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mSlot, mAct, mMask).launch(
+        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
             smem=4 * WARPS * RM + 8 * E + 64, stream=stream)
 
@@ -228,7 +231,7 @@ def build_front(key: MoEFrontKey):
         fake(Int32, (4,), assumed_align=16),
         fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -242,7 +245,7 @@ def build_front(key: MoEFrontKey):
 def build_up(key: MoEUpKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
 
     sh = key.shape
     I, S = sh.inter, sh.shared
@@ -256,20 +259,23 @@ def build_up(key: MoEUpKey):
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                  mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mSlot: cute.Tensor,
-                  mA: cute.Tensor, mAsh: cute.Tensor):
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mA: cute.Tensor, mAsh: cute.Tensor,
+                  mLat: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
         M = mF.shape[0]
-        if by == gy - 1:  # the shared experts' SiTU, spread over this row of CTAs
+        if by == gy - 1:  # the shared experts' SiTU, and zeroing this rank's latent accumulator
             for idx in cutlass.range(bx * THREADS + tid, M * S, gx * THREADS):
                 t = idx // S
                 c = idx - t * S
                 a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], BETA, BETA_LIN)
                 mAsh[t, c] = a.to(BFloat16)
+            for idx in cutlass.range(bx * THREADS + tid, M * L, gx * THREADS):
+                t = idx // L
+                mLat[0, t, idx - t * L] = Float32(0.0)
         else:
             nact = mMeta[0]
             if by < nact:
@@ -287,16 +293,21 @@ def build_up(key: MoEUpKey):
                 for r in cutlass.range_constexpr(RPW):
                     for j in cutlass.range_constexpr(NV):
                         v = lane + 32 * j
-                        w1.append(gW1[(None, (e, i0 + r, v))].load())
-                        w3.append(gW3[(None, (e, i0 + r, v))].load())
+                        q1 = gW1[(None, (e, i0 + r, v))].load()
+                        q3 = gW3[(None, (e, i0 + r, v))].load()
+                        w1.append([q1[0], q1[1]])
+                        w3.append([q3[0], q3[1]])
                         s1.append(scale_pair(Int32(mS1[e, i0 + r, v // 2])))
                         s3.append(scale_pair(Int32(mS3[e, i0 + r, v // 2])))
-                for t in cutlass.range(M):
+
+                for wi in cutlass.range_constexpr(2):  # every token of the mask, lowest first
                     word = lo
-                    if t >= 32:
+                    if const_expr(wi == 1):
                         word = hi
-                    if ((word >> (t & 31)) & 1) != 0:
-                        slot = mSlot[t, e]
+                    while word != Int32(0):
+                        low = word & (Int32(0) - word)
+                        t = Int32(31 + 32 * wi) - cute.arch.clz(low)
+                        word = word ^ low
                         h1 = cute.make_rmem_tensor((RPW,), Float32)
                         h3 = cute.make_rmem_tensor((RPW,), Float32)
                         for r in cutlass.range_constexpr(RPW):
@@ -320,14 +331,14 @@ def build_up(key: MoEUpKey):
                             g = cute.arch.warp_reduction_sum(h1[r])
                             u = cute.arch.warp_reduction_sum(h3[r])
                             if lane == 0:
-                                mA[t, slot, i0 + r] = _situ(g, u, BETA, BETA_LIN).to(BFloat16)
+                                mA[by, t, i0 + r] = _situ(g, u, BETA, BETA_LIN).to(BFloat16)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mSlot: cute.Tensor,
-                mA: cute.Tensor, mAsh: cute.Tensor, stream):
+                mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mA: cute.Tensor, mAsh: cute.Tensor,
+                mLat: cute.Tensor, stream):
         M = mF.shape[0]
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mMask, mSlot, mA, mAsh).launch(
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mMask, mA, mAsh, mLat).launch(
             grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -340,9 +351,9 @@ def build_up(key: MoEUpKey):
         fake(Int32, (4,), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (m, TOPK, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (cute.sym_int(), m, I), stride_order=(2, 1, 0), assumed_align=16),
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return up_host, args
@@ -354,16 +365,16 @@ def build_up(key: MoEUpKey):
 def build_down(key: MoEDownKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8
+    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
-    WARPS, RPW, UE = key.warps, key.rows_per_warp, key.experts_ahead
+    WARPS, RPW, UE, ES = key.warps, key.rows_per_warp, key.experts_ahead, key.expert_splits
     THREADS = 32 * WARPS
     G = 32 // RPW  # lanes per latent row
     NVD = (I // 16) // G  # 16-code vectors per lane
     RB = WARPS * RPW  # latent rows per CTA
-    NB = L // RB  # routed CTAs
+    NB = L // RB  # routed row blocks (each split over ES CTAs along y)
     SH_VEC = 3  # 8-element bf16 vectors per lane of a shared-down row
     GS = S // (8 * SH_VEC)  # lanes per shared-down row
     RPWS = 32 // GS
@@ -373,16 +384,17 @@ def build_down(key: MoEDownKey):
 
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
-                    mMask: cute.Tensor, mSlot: cute.Tensor, mWts: cute.Tensor, mLat: cute.Tensor,
-                    mCoef: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
+                    mMask: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                    mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        bx, _, _ = cute.arch.block_idx()
-        M = mA.shape[0]
+        bx, by, _ = cute.arch.block_idx()
+        M = mA.shape[1]
+        smem = cutlass.utils.SmemAllocator()
+        acc = smem.allocate_tensor(Float32, cute.make_layout((MAX_M, RB), stride=(RB, 1)), byte_alignment=16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         if bx < NB:
-            smem = cutlass.utils.SmemAllocator()
-            acc = smem.allocate_tensor(Float32, cute.make_layout((MAX_M, RB), stride=(RB, 1)), byte_alignment=16)
             for idx in cutlass.range(tid, MAX_M * RB, THREADS):
                 acc[idx // RB, idx % RB] = Float32(0.0)
             cute.arch.barrier()
@@ -393,53 +405,72 @@ def build_down(key: MoEDownKey):
             gW2 = cute.zipped_divide(mW2, (1, 1, 2))
             gA = cute.zipped_divide(mA, (1, 1, 8))
             nact = mMeta[0]
-            for jb in cutlass.range(0, nact, UE):
+            for jb in cutlass.range(by * UE, nact, ES * UE):
                 ws = []
                 ss = []
                 es = []
+                los = []
+                his = []
                 for u in cutlass.range_constexpr(UE):
                     jj = cutlass.min(jb + u, nact - 1)
                     e = mAct[jj]
                     es.append(e)
+                    los.append(mMask[jj, 0])
+                    his.append(mMask[jj, 1])
                     for j in cutlass.range_constexpr(NVD):
                         v = gl + G * j
-                        ws.append(gW2[(None, (e, row, v))].load())
+                        q2 = gW2[(None, (e, row, v))].load()
+                        ws.append([q2[0], q2[1]])
                         ss.append(scale_pair(Int32(mS2[e, row, v // 2])))
                 for u in cutlass.range_constexpr(UE):
                     if jb + u < nact:
                         e = es[u]
-                        lo = mMask[jb + u, 0]
-                        hi = mMask[jb + u, 1]
-                        for t in cutlass.range(M):
-                            word = lo
-                            if t >= 32:
-                                word = hi
-                            if ((word >> (t & 31)) & 1) != 0:
-                                slot = mSlot[t, e]
+
+                        for wi in cutlass.range_constexpr(2):  # every token routed to e
+                            word = los[u]
+                            if const_expr(wi == 1):
+                                word = his[u]
+                            while word != Int32(0):
+                                low = word & (Int32(0) - word)
+                                t = Int32(31 + 32 * wi) - cute.arch.clz(low)
+                                word = word ^ low
                                 p = Float32(0.0)
                                 for j in cutlass.range_constexpr(NVD):
                                     v = gl + G * j
                                     n = u * NVD + j
                                     for half in cutlass.range_constexpr(2):
-                                        av = gA[(None, (t, slot, 2 * v + half))].load().to(Float32)
+                                        av = gA[(None, (jb + u, t, 2 * v + half))].load().to(Float32)
                                         cw = decode(ws[n][half], ss[n])
                                         for k in cutlass.range_constexpr(8):
                                             p = p + cw[k] * av[k]
                                 for off in cutlass.range_constexpr(G.bit_length() - 1):
                                     p = p + cute.arch.shuffle_sync_bfly(p, offset=G >> (off + 1))
                                 if gl == 0:
-                                    acc[t, rloc] = acc[t, rloc] + p * mWts[t, slot]
+                                    acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
             cute.arch.barrier()
-            for idx in cutlass.range(tid, M * RB, THREADS):  # one-shot all-reduce read of this slice
+            for idx in cutlass.range(tid, M * RB, THREADS):  # this CTA's share of the rank's latent partial
                 t = idx // RB
                 rl = idx - t * RB
-                own = acc[t, rl]
-                mLat[0, t, bx * RB + rl] = own
-                tot = own * mCoef[0]
-                for p_ in cutlass.range_constexpr(1, TP):
-                    tot = tot + mCoef[p_] * mLat[p_, t, bx * RB + rl]
-                mR[t, bx * RB + rl] = tot.to(BFloat16)
-        else:  # shared experts' down projection: this rank's partial
+                cute.arch.red(mLat.iterator + (t * L + bx * RB + rl), acc[t, rl], op="add", dtype=Float32,
+                              sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tid == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + bx, Int32(1), sem="acq_rel", scope="gpu")
+                flag[0] = Int32(old == ES - 1)
+            cute.arch.barrier()
+            if flag[0] != 0:  # the last of the row block's CTAs: one-shot all-reduce read of the slice
+                cute.arch.fence_acq_rel_gpu()
+                for idx in cutlass.range(tid, M * RB, THREADS):
+                    t = idx // RB
+                    rl = idx - t * RB
+                    tot = mCoef[0] * mLat[0, t, bx * RB + rl]
+                    for p_ in cutlass.range_constexpr(1, TP):
+                        tot = tot + mCoef[p_] * mLat[p_, t, bx * RB + rl]
+                    mR[t, bx * RB + rl] = tot.to(BFloat16)
+                if tid == 0:
+                    mCnt[bx] = Int32(0)  # re-arm for the next step
+        elif by == 0:  # shared experts' down projection: this rank's partial
             grp = lane // GS
             gl = lane - grp * GS
             n = (bx - NB) * RBS + warp * RPWS + grp
@@ -460,25 +491,24 @@ def build_down(key: MoEDownKey):
 
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
-                  mMask: cute.Tensor, mSlot: cute.Tensor, mWts: cute.Tensor, mLat: cute.Tensor,
-                  mCoef: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
-                  stream):
-        down_kernel(mA, mW2, mS2, mMeta, mAct, mMask, mSlot, mWts, mLat, mCoef, mR, mAsh, mWd, mSh).launch(
-            grid=(NB + D // RBS, 1, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream)
+                  mMask: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                  mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mMask, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
+            grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
     args = (
-        fake(BFloat16, (m, TOPK, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (cute.sym_int(), m, I), stride_order=(2, 1, 0), assumed_align=16),
         fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
         fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
         fake(Int32, (4,), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (m, E), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
         fake(Float32, (TP,), assumed_align=16),
+        fake(Int32, (NB,), assumed_align=16),
         fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
