@@ -35,6 +35,8 @@ stage_cmd() {
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
+    nccl-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers kda_moe,dense --batches 1 --out $M/multi_gpu_dryrun_h200.csv" ;;
+    compile-tp8-min) echo "$KD sweep --executor compile --tps 8 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp8.csv" ;;
     profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
     profile-stock-b64) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 64 || exit 1; done" ;;
     *) return 1 ;;

@@ -121,3 +121,11 @@ def test_stock_schedule_with_real_allreduce_equals_the_tp_layer(tmp_path, kind):
     ok, err, bound = within_bf16_rule(h0[keep].float(), ref.h[keep], ref_bf.h[keep])
     assert ok, (err, bound)
     assert torch.equal(torch.load(tmp_path / "stock1.pt")[0], h0)  # every rank holds the reduced output
+
+
+def test_multi_gpu_launcher_says_what_is_missing_without_gpus(capsys):
+    from kimi_decode.multi_gpu import main
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message on a machine without GPUs")
+    assert main(["--out", "unused.csv"]) == 3
+    assert "needs CUDA GPUs" in capsys.readouterr().out
