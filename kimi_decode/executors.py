@@ -7,7 +7,7 @@ input of the step's token count.
 
 from __future__ import annotations
 
-EXECUTORS = ("stock", "compile", "stock-moe", "fused-moe")
+EXECUTORS = ("stock", "compile", "stock-moe", "fused-moe", "fused5-moe")
 
 
 def make_executor(name: str):
@@ -18,7 +18,7 @@ def make_executor(name: str):
     if name == "compile":
         from .compile_peer import CompilePeer
         return lambda w, st: CompilePeer(w, st, compile=True, mode="default")
-    if name in ("stock-moe", "fused-moe"):
+    if name in ("stock-moe", "fused-moe", "fused5-moe"):
         from .moe_bench import make_moe_executor, moe_input
         make = make_moe_executor(name.split("-")[0])
         return lambda w, st: make(w, moe_input(st.shape.num_tokens, w.cfg.hidden_size, seed=0,

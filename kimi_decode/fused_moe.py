@@ -59,7 +59,10 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
 class FusedMoE:
     """One decode step of the MoE half (§6.3) on one rank in four launches."""
 
-    def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None):
+    def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
+                 separate_routing: bool = False):
+        """separate_routing: route in a fifth launch (one CTA, one warp per token) instead of in the CTA
+        that finishes the router rows of the front GEMV last."""
         from . import compile as kc
         from .kernels import moe as km
 
@@ -72,7 +75,9 @@ class FusedMoE:
         self.shape = shape = km.shapes_for_tp(tp)
         arch = kc.resolve_arch(arch)
         mt = km.pick_m_tile(N)
-        self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, arch=arch)), kc.load(km.MoEUpKey(shape, arch=arch)),
+        self.separate_routing = separate_routing
+        self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
+                     kc.load(km.MoEUpKey(shape, arch=arch)),
                      kc.load(km.MoEDownKey(shape, arch=arch)), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -113,11 +118,16 @@ class FusedMoE:
         from .byte_counts import expected_active_experts
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
+        self._route = kc.load(km.MoERouteKey(shape, arch=arch)) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
                    run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
                                     self.act, self.mask)),
+            *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
+                      N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
+                      run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,
+                                              self.act, self.mask))] if separate_routing else []),
             Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
                    act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
                    run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.mask,

@@ -22,17 +22,18 @@ from .reference import Storage
 from .reference.moe import moe_block_one_rank
 from .weights import LayerWeights, make_layer_weights
 
-MOE_EXECUTORS = ("stock", "fused")
+MOE_EXECUTORS = ("stock", "fused", "fused5")
 
 
 def make_moe_executor(name: str):
-    """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches) or 'fused' (4 CuTe DSL launches)."""
+    """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (4 CuTe DSL launches,
+    routing in the front GEMV's last router CTA) or 'fused5' (5: routing as its own launch)."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
-    if name == "fused":
+    if name in ("fused", "fused5"):
         from .fused_moe import FusedMoE
-        return FusedMoE
+        return lambda w, x: FusedMoE(w, x, separate_routing=name == "fused5")
     raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS}, got {name!r}")
 
 
@@ -124,8 +125,10 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
         del w, copies_w
         torch.cuda.empty_cache()
     bar.close()
-    df = pd.DataFrame(rows)
-    return add_speedup(df)
+    df = add_speedup(pd.DataFrame(rows))
+    if out_csv:
+        df.to_csv(out_csv, index=False)
+    return df
 
 
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:

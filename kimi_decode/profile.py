@@ -300,6 +300,38 @@ def frame_from_rows(rows: list[dict], backend: str) -> pd.DataFrame:
 # ---------------------------------------------------------------- save / load
 
 
+def compress_report(folder: Path) -> Path | None:
+    """Replace `profile.ncu-rep` by `profile.ncu-rep.xz` (Nsight reports of a layer are ~10 MB and
+    compress ~25×, which keeps `profiles/` small enough to commit and to carry to a GPU host)."""
+    import lzma
+
+    raw = Path(folder) / "profile.ncu-rep"
+    if not raw.exists():
+        return None
+    out = raw.with_name(raw.name + ".xz")
+    with open(raw, "rb") as f, lzma.open(out, "wb", preset=6) as g:
+        shutil.copyfileobj(f, g)
+    raw.unlink()
+    return out
+
+
+def report_file(folder: str | Path) -> Path:
+    """The folder's Nsight Compute report as a `.ncu-rep` file (decompressed next to the `.xz` on
+    first use), e.g. to open in the Nsight Compute GUI or `ncu --import`."""
+    import lzma
+
+    folder = Path(folder)
+    raw = folder / "profile.ncu-rep"
+    if raw.exists():
+        return raw
+    xz = folder / "profile.ncu-rep.xz"
+    if not xz.exists():
+        raise FileNotFoundError(f"{folder} holds no Nsight Compute report (profile.ncu-rep[.xz])")
+    with lzma.open(xz, "rb") as f, open(raw, "wb") as g:
+        shutil.copyfileobj(f, g)
+    return raw
+
+
 def save_profile(df: pd.DataFrame, folder: Path, provenance: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     df.to_csv(folder / "summary.csv", index=False)
@@ -355,6 +387,7 @@ def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
         if res.returncode != 0:
             raise RuntimeError(f"ncu failed with exit code {res.returncode}; see {folder / 'ncu.log'}")
         rows = read_report(folder / "profile.ncu-rep", metrics)
+        compress_report(folder)
     else:
         rows = _profile_nsight_python(req, metrics)
     df = frame_from_rows(rows, chosen)

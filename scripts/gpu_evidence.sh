@@ -32,6 +32,8 @@ stage_cmd() {
     compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
     moe-bench) echo "$KD moe --executors stock,fused --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
+    moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
+    profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;

@@ -94,3 +94,13 @@ def test_cli_profile_without_gpu(capsys, monkeypatch):
     assert main(["profile", "--layer", "kda_moe"]) == 3
     assert "CUDA GPU" in capsys.readouterr().err
     assert main(["profile", "--layer", "kda_moe", "--batch", "65"]) == 2
+
+
+def test_reports_are_kept_compressed_and_restored(tmp_path):
+    from kimi_decode.profile import compress_report, report_file
+    data = b"NVIDIA Nsight Compute report " * 1000
+    (tmp_path / "profile.ncu-rep").write_bytes(data)
+    xz = compress_report(tmp_path)
+    assert xz.name == "profile.ncu-rep.xz" and not (tmp_path / "profile.ncu-rep").exists()
+    assert xz.stat().st_size < len(data) / 10
+    assert report_file(tmp_path).read_bytes() == data

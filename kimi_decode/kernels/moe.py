@@ -65,6 +65,16 @@ class MoEShape:
 class MoEFrontKey:
     shape: MoEShape
     m_tile: int = 1
+    route: bool = True  # route in the CTA that finishes the router rows last (False: the GEMV alone)
+    arch: str = "sm_90a"
+
+
+@dataclass(frozen=True)
+class MoERouteKey:
+    """Routing as its own launch: one CTA of `warps` warps, one warp per token."""
+
+    shape: MoEShape
+    warps: int = 32
     arch: str = "sm_90a"
 
 
@@ -107,6 +117,97 @@ def _situ(g, u, beta, beta_lin):
 
 # --------------------------------------------------------------------------- 1. front + routing
 
+_ROUTE = None
+
+
+def route_tokens():
+    """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
+
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+
+    one warp per token: s = σ(logit), 16 rounds of a warp arg-max of s + bias, weights s / Σ s;
+    then the expert-major tables (active experts, 64-bit token masks) through shared memory
+    (`masks` [E, 2] Int32, `flag` [2] Int32); mMeta[0] = number of active experts.
+    """
+    global _ROUTE
+    if _ROUTE is None:
+        _ROUTE = _make_route()
+    return _ROUTE
+
+
+def _make_route():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Constexpr, Float32, Int32
+
+    NPL = E // 32
+
+    @cute.jit
+    def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+              mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, masks: cute.Tensor, flag: cute.Tensor,
+              WARPS: Constexpr, SCALING: Constexpr):
+        THREADS = 32 * WARPS
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        M = mIds.shape[0]
+        for e in cutlass.range(tid, E, THREADS):
+            masks[e, 0] = Int32(0)
+            masks[e, 1] = Int32(0)
+        if tid == 0:
+            flag[1] = Int32(0)
+        cute.arch.barrier()
+        for t in cutlass.range(warp, M, WARPS):
+            sc = cute.make_rmem_tensor((NPL,), Float32)
+            for j in cutlass.range_constexpr(NPL):
+                lg = mO[t, lane + 32 * j]
+                sc[j] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg)) + mBias[lane + 32 * j]
+            mine = Int32(0)
+            for kk in cutlass.range_constexpr(TOPK):
+                bv = sc[0]
+                bi = lane
+                for j in cutlass.range_constexpr(1, NPL):
+                    if sc[j] > bv:
+                        bv = sc[j]
+                        bi = lane + 32 * j
+                for off in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << (4 - off))
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << (4 - off))
+                    if ov > bv or (ov == bv and oi < bi):
+                        bv = ov
+                        bi = oi
+                for j in cutlass.range_constexpr(NPL):
+                    if bi == lane + 32 * j:
+                        sc[j] = -Float32.inf
+                if lane == kk:
+                    mine = bi
+            s = Float32(0.0)
+            if lane < TOPK:
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
+            tot = cute.arch.warp_reduction_sum(s)
+            if lane < TOPK:
+                mIds[t, lane] = mine
+                mWts[t, lane] = s / tot * Float32(SCALING)
+                mWe[mine, t] = s / tot * Float32(SCALING)
+                word = t // 32
+                cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
+        cute.arch.barrier()
+        for e in cutlass.range(tid, E, THREADS):
+            lo = masks[e, 0]
+            hi = masks[e, 1]
+            if (lo | hi) != 0:
+                j = cute.arch.atomic_add(flag.iterator + 1, Int32(1))
+                mAct[j] = e
+                mMask[j, 0] = lo
+                mMask[j, 1] = hi
+        cute.arch.barrier()
+        if tid == 0:
+            mMeta[0] = flag[1]
+
+    return route
+
+
+
 
 def build_front(key: MoEFrontKey):
     import cutlass
@@ -121,6 +222,7 @@ def build_front(key: MoEFrontKey):
     NPL = E // 32  # router scores per lane
     ROUTER_CTAS = E // R
     SCALING = sh.scaling
+    ROUTE = key.route
     assert E % R == 0 and N % R == 0
 
     @cute.kernel
@@ -148,68 +250,19 @@ def build_front(key: MoEFrontKey):
                 s = s + buf[wi, tid]
             if m0 + mi < M:
                 mO[m0 + mi, row0 + r] = s
-        if bx < ROUTER_CTAS:
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier()
-            if tid == 0:
-                old = cute.arch.atomic_add(mMeta.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
-                flag[0] = Int32(old == ROUTER_CTAS * gy - 1)
-            cute.arch.barrier()
-            if flag[0] != 0:  # the last router CTA: every logit of the step is written
+        if const_expr(ROUTE):
+            if bx < ROUTER_CTAS:
                 cute.arch.fence_acq_rel_gpu()
-                for e in cutlass.range(tid, E, THREADS):
-                    masks[e, 0] = Int32(0)
-                    masks[e, 1] = Int32(0)
-                if tid == 0:
-                    flag[1] = Int32(0)
-                cute.arch.barrier()
-                for t in cutlass.range(warp, M, WARPS):
-                    sc = cute.make_rmem_tensor((NPL,), Float32)
-                    for j in cutlass.range_constexpr(NPL):
-                        lg = mO[t, lane + 32 * j]
-                        sc[j] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg)) + mBias[lane + 32 * j]
-                    mine = Int32(0)
-                    for kk in cutlass.range_constexpr(TOPK):
-                        bv = sc[0]
-                        bi = lane
-                        for j in cutlass.range_constexpr(1, NPL):
-                            if sc[j] > bv:
-                                bv = sc[j]
-                                bi = lane + 32 * j
-                        for off in cutlass.range_constexpr(5):
-                            ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << (4 - off))
-                            oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << (4 - off))
-                            if ov > bv or (ov == bv and oi < bi):
-                                bv = ov
-                                bi = oi
-                        for j in cutlass.range_constexpr(NPL):
-                            if bi == lane + 32 * j:
-                                sc[j] = -Float32.inf
-                        if lane == kk:
-                            mine = bi
-                    s = Float32(0.0)
-                    if lane < TOPK:
-                        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
-                    tot = cute.arch.warp_reduction_sum(s)
-                    if lane < TOPK:
-                        mIds[t, lane] = mine
-                        mWts[t, lane] = s / tot * Float32(SCALING)
-                        mWe[mine, t] = s / tot * Float32(SCALING)
-                        word = t // 32
-                        cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
-                cute.arch.barrier()
-                for e in cutlass.range(tid, E, THREADS):
-                    lo = masks[e, 0]
-                    hi = masks[e, 1]
-                    if (lo | hi) != 0:
-                        j = cute.arch.atomic_add(flag.iterator + 1, Int32(1))
-                        mAct[j] = e
-                        mMask[j, 0] = lo
-                        mMask[j, 1] = hi
                 cute.arch.barrier()
                 if tid == 0:
-                    mMeta[0] = flag[1]
-                    mMeta[1] = Int32(0)  # re-arm the counter for the next step
+                    old = cute.arch.atomic_add(mMeta.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+                    flag[0] = Int32(old == ROUTER_CTAS * gy - 1)
+                cute.arch.barrier()
+                if flag[0] != 0:  # the last router CTA: every logit of the step is written
+                    cute.arch.fence_acq_rel_gpu()
+                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+                    if tid == 0:
+                        mMeta[1] = Int32(0)  # re-arm the counter for the next step
 
     @cute.jit
     def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
@@ -237,6 +290,44 @@ def build_front(key: MoEFrontKey):
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return front_host, args
+
+
+def build_route(key: MoERouteKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    sh = key.shape
+    WARPS, SCALING = key.warps, sh.scaling
+
+    @cute.kernel
+    def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+                     mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor):
+        smem = cutlass.utils.SmemAllocator()
+        masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+
+    @cute.jit
+    def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+                   mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, stream):
+        route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
+            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=8 * E + 64, stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    args = (
+        fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E,), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return route_host, args
 
 
 # --------------------------------------------------------------------------- 2. experts gate/up + SiTU
@@ -600,7 +691,9 @@ def aot_keys_for(kind: str):
         for tp in (8, 16):
             s = shapes_for_tp(tp)
             if kind == "front":
-                out += [MoEFrontKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
+                out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
+            elif kind == "route":
+                out.append(MoERouteKey(s, arch=arch))
             elif kind == "up":
                 out.append(MoEUpKey(s, arch=arch))
             elif kind == "down":
@@ -613,6 +706,8 @@ def aot_keys_for(kind: str):
 
 FRONT = kc.register(kc.KernelSpec(name="moe_front", module=__name__, key_type=MoEFrontKey, build=build_front,
                                   aot_keys=aot_keys_for("front"), ptx_checks=("ld.global.v4", "atom")))
+ROUTE = kc.register(kc.KernelSpec(name="moe_route", module=__name__, key_type=MoERouteKey, build=build_route,
+                                  aot_keys=aot_keys_for("route"), ptx_checks=("atom",)))
 UP = kc.register(kc.KernelSpec(name="moe_up", module=__name__, key_type=MoEUpKey, build=build_up,
                                aot_keys=aot_keys_for("up"), ptx_checks=("mul.rn.bf16x2",)))
 DOWN = kc.register(kc.KernelSpec(name="moe_down", module=__name__, key_type=MoEDownKey, build=build_down,
@@ -634,5 +729,5 @@ def check_scales(*scales: torch.Tensor) -> None:
                              "what the fused MoE decode supports")
 
 
-__all__ = ["MoEShape", "MoEFrontKey", "MoEUpKey", "MoEDownKey", "MoETailKey", "shapes_for_tp", "pick_m_tile",
+__all__ = ["MoEShape", "MoEFrontKey", "MoERouteKey", "MoEUpKey", "MoEDownKey", "MoETailKey", "shapes_for_tp", "pick_m_tile",
            "check_scales", "MAX_M", "TOPK", "CHUNK", "VEC"]
