@@ -111,8 +111,15 @@ def _cmd_moe(args) -> int:
 
 
 def _cmd_results(args) -> int:
-    from .measured import results_markdown
+    from .measured import PROFILE_OVERHEAD_BOUNDS, markdown_table, profile_vs_graph, results_markdown
 
+    if args.name == "profile-vs-graph":
+        df = profile_vs_graph()
+        print(markdown_table(df))
+        lo, hi = PROFILE_OVERHEAD_BOUNDS
+        bad = df[(df.ratio < lo) | (df.ratio > hi)]
+        print(f"\n{len(df) - len(bad)} of {len(df)} profiles within {lo}-{hi}x of the graph-replay time")
+        return 0 if bad.empty else 1
     print(results_markdown(args.name))
     return 0
 
@@ -228,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_moe)
 
     p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")
-    p.add_argument("name")
+    p.add_argument("name", help="a CSV name, or profile-vs-graph (saved profiles' kernel sums vs graph replay)")
     p.set_defaults(func=_cmd_results)
 
     p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",

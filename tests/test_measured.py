@@ -43,3 +43,12 @@ def test_markdown_table_formats_what_it_is_given():
     md = markdown_table(df, ["executor", "us_median", "missing"])
     assert md.splitlines() == ["| executor | us_median |", "|---|---|", "| stock | 101.2 |", "| fused |  |",
                                "| x | 0.46 |"]
+
+
+def test_saved_profiles_agree_with_graph_replay_within_the_documented_overhead():
+    """The committed H200 profiles: summed kernel time vs the graph-replay median of the same configuration."""
+    from kimi_decode.measured import PROFILE_OVERHEAD_BOUNDS, profile_vs_graph
+    df = profile_vs_graph()
+    assert len(df) >= 9 and {"stock", "stock-moe", "fused-moe"} <= set(df.executor)
+    lo, hi = PROFILE_OVERHEAD_BOUNDS
+    assert df.ratio.between(lo, hi).all(), df
