@@ -57,6 +57,8 @@ def markdown_table(df: pd.DataFrame, columns: list[str] | None = None, digits: i
 RESULT_COLUMNS = {
     "stock": ["executor", "layer", "tp", "batch", "context", "us_median", "us_p10", "us_p90", "kernels_measured",
               "kernels_inventory", "achieved_GBps", "floor_us", "fraction_of_floor", "check_ok"],
+    "check": ["executor", "layer", "tp", "batch", "tokens_per_seq", "context", "check_ok", "err_vs_fp32", "err_bound",
+              "routing_flips", "active_experts"],
     "moe": ["executor", "tp", "batch", "tokens_per_seq", "us_median", "us_p10", "us_p90", "kernels_measured",
             "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
 }
@@ -65,8 +67,10 @@ RESULT_COLUMNS = {
 def results_markdown(name: str, kind: str | None = None) -> str:
     """The docs table of a measured CSV (`kimi-decode results NAME`), with its provenance line."""
     df = load(name)
-    kind = kind or ("moe" if "floor_ratio" in df.columns else "stock")
-    return markdown_table(df, RESULT_COLUMNS[kind]) + f"\n\nMeasured: {provenance_summary(df)}."
+    if kind is None:
+        kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
+    digits = 4 if kind == "check" else 1
+    return markdown_table(df, RESULT_COLUMNS[kind], digits=digits) + f"\n\nMeasured: {provenance_summary(df)}."
 
 
 PROFILE_OVERHEAD_BOUNDS = (0.95, 1.30)  # profile sum / graph time: see docs/profiling.md
