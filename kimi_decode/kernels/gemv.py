@@ -100,6 +100,29 @@ def gemv_partials():
     return _PARTIALS
 
 
+_WARP_SUM = None
+
+
+def warp_sum():
+    """`@cute.jit` warp_sum()(buf, col, WARPS): Σ_w buf[w, col], the cross-warp total of a partial left by
+    `gemv_partials` (called by the one thread that owns column `col`)."""
+    global _WARP_SUM
+    if _WARP_SUM is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Constexpr
+
+        @cute.jit
+        def total(buf: cute.Tensor, col, WARPS: Constexpr):
+            s = buf[0, col]
+            for wi in cutlass.range_constexpr(1, WARPS):
+                s = s + buf[wi, col]
+            return s
+
+        _WARP_SUM = total
+    return _WARP_SUM
+
+
 def _make_partials():
     import cutlass
     import cutlass.cute as cute
@@ -211,9 +234,7 @@ def build(key: GemvKey):
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
-            s = buf[0, tid]
-            for wi in cutlass.range_constexpr(1, WARPS):
-                s = s + buf[wi, tid]
+            s = warp_sum()(buf, tid, WARPS)
             if m0 + mi < M:
                 if const_expr(GATE):
                     gt = mG[m0 + mi, row0 + r].to(Float32)

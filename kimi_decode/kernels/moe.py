@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import compile as kc
-from .gemv import CHUNK, VEC, default_tiling, gemv_partials
+from .gemv import CHUNK, VEC, default_tiling, gemv_partials, warp_sum
 from .mxfp4_decode import MAX_E8M0, decode_word, scale_pair
 
 MAX_M = 64  # tokens in a step (token masks are two 32-bit words)
@@ -116,6 +116,25 @@ def _situ(g, u, beta, beta_lin):
 
 
 # --------------------------------------------------------------------------- 1. front + routing
+
+
+def _routing_fakes(m):
+    """Compile-time stand-ins of the routing tensors (bias, meta, ids, weights, expert-major weights, active
+    experts, token masks) and the stream, shared by the front and route kernels; m: the token count."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    fake = cute.runtime.make_fake_compact_tensor
+    return (
+        fake(Float32, (E,), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
 
 _ROUTE = None
 
@@ -245,9 +264,7 @@ def build_front(key: MoEFrontKey):
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
-            s = buf[0, tid]
-            for wi in cutlass.range_constexpr(1, WARPS):
-                s = s + buf[wi, tid]
+            s = warp_sum()(buf, tid, WARPS)
             if m0 + mi < M:
                 mO[m0 + mi, row0 + r] = s
         if const_expr(ROUTE):
@@ -280,14 +297,7 @@ def build_front(key: MoEFrontKey):
         fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (E,), assumed_align=16),
-        fake(Int32, (4,), assumed_align=16),
-        fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (E,), assumed_align=16),
-        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        *_routing_fakes(m),
     )
     return front_host, args
 
@@ -318,14 +328,7 @@ def build_route(key: MoERouteKey):
     m = cute.sym_int()
     args = (
         fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (E,), assumed_align=16),
-        fake(Int32, (4,), assumed_align=16),
-        fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (E,), assumed_align=16),
-        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        *_routing_fakes(m),
     )
     return route_host, args
 
@@ -638,11 +641,8 @@ def build_tail(key: MoETailKey):
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
-            s = buf[0, tid]
-            q = buf[0, RM + mi]
-            for wi in cutlass.range_constexpr(1, WARPS):
-                s = s + buf[wi, tid]
-                q = q + buf[wi, RM + mi]
+            s = warp_sum()(buf, tid, WARPS)
+            q = warp_sum()(buf, RM + mi, WARPS)
             if m0 + mi < M:
                 s = s * cute.math.rsqrt(q * Float32(1.0 / K) + Float32(EPS))
                 for p_ in cutlass.range_constexpr(TP):
