@@ -17,8 +17,9 @@ Clocks are never locked (``--clock-control none``). Each run is saved to
 ``profiles/<executor>/<layer>-tp<T>-b<B>[-t<N>][-ctx<C>]/`` (report, summary CSV,
 provenance) and `load_profile` turns any saved folder back into the DataFrame.
 
-Status: written and unit-tested on CPU (backend choice, parsing, saving,
-loading); not yet run against a GPU.
+Run on the H200 (ncu 2025.3.1, ncu-cli backend): the committed profiles under
+`profiles/` come from it; `docs/profiling.md` compares their kernel sums with
+graph-replay timings.
 """
 
 from __future__ import annotations
