@@ -304,3 +304,30 @@ def plot_profiles_side_by_side(frames: dict, ax=None, title: str | None = None):
     ax.set_title(title or "Kernel launches per step, stacked: " + " vs ".join(names))
     ax.figure.tight_layout()
     return ax
+
+
+def plot_executors_vs_batch(df, ax=None, title: str | None = None, part: str = "MoE half"):
+    """µs per step against batch for each executor of a measured sweep (e.g. `moe_half_h200_tp8`),
+    with p10–p90 bars, the memory floor of the same bytes, and each point's kernel count."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, g) in enumerate(df.groupby("executor", sort=False)):
+        g = g.sort_values("batch")
+        line = ax.errorbar(g.batch, g.us_median, yerr=[g.us_median - g.us_p10, g.us_p90 - g.us_median], marker="o",
+                           capsize=3, label=name)
+        for b, us, k in zip(g.batch, g.us_median, g.kernels_measured):
+            ax.annotate(f"{k:.0f} k", (b, us), textcoords="offset points", xytext=(6, -12 + 10 * i), fontsize=7,
+                        color=line[0].get_color())
+    floor = df.groupby("batch").floor_us.first().sort_index()
+    ax.plot(floor.index, floor.values, "k--", lw=1, label="memory floor (bytes / measured copy bandwidth)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    bs = sorted(set(int(b) for b in df.batch))
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("batch (sequences, 1 token each)")
+    ax.set_ylabel(f"µs per {part} (median, p10–p90)")
+    gpu = df.gpu.iloc[0] if "gpu" in df.columns else "GPU"
+    ax.set_title(title or f"{part}, TP{int(df.tp.iloc[0])} rank, on the {gpu} (k = kernels in the CUDA graph)")
+    ax.legend(fontsize=8, frameon=False)
+    ax.figure.tight_layout()
+    return ax
