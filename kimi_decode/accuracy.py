@@ -58,3 +58,23 @@ def routing_agreement(exec_ids: torch.Tensor, x_ref: torch.Tensor, moe_weights, 
     gap = top[:, k - 1] - top[:, k]
     ties = gap < tie_tol
     return same, int((~same).sum()), bool((same | ties).all())
+
+
+def compare_step(out: torch.Tensor, ref_fp32: torch.Tensor, ref_bf16: torch.Tensor, exec_ids=None,
+                 x_router: torch.Tensor | None = None, moe_weights=None, cfg=None) -> dict:
+    """An executor's step output against the fp32 reference and its bf16-storage twin.
+
+    With `exec_ids` (the executor's top-k ids) and the router input, tokens routed differently from the
+    reference (allowed only at near-ties) are left out and counted in `routing_flips`. Returns the
+    check columns of the measured CSVs: check_ok, err_vs_fp32, err_bound, all_written, routing_flips.
+    """
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    flips, ties = 0, True
+    if exec_ids is not None and moe_weights is not None:
+        keep, flips, ties = routing_agreement(exec_ids, x_router, moe_weights, cfg)
+    keep = keep.to(out.device)
+    ok, err, bound = within_bf16_rule(out[keep].float(), ref_fp32[keep], ref_bf16[keep])
+    written = all_written(out)
+    return {"check_ok": bool(ok and written and ties), "err_vs_fp32": err, "err_bound": bound,
+            "all_written": written, "routing_flips": flips}
+

@@ -99,6 +99,16 @@ def _cmd_sweep(args) -> int:
     return 0 if bool(df.check_ok.all()) else 1
 
 
+def _add_run_args(p, tokens_help: str) -> None:
+    """The arguments every checked-and-timed GPU run shares (`sweep`, `moe`)."""
+    p.add_argument("--tokens", default="1", help=tokens_help)
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--out", default=None, help="CSV to write (e.g. data/measured/NAME.csv)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--check-only", action="store_true",
+                   help="only compare each configuration with the fp32 reference (no graph capture, no timing)")
+
+
 def _cmd_moe(args) -> int:
     from .moe_bench import run_moe_sweep
 
@@ -211,12 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tps", default="8,16")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="8192,32768", help="MLA contexts (KDA layers use the first)")
-    p.add_argument("--tokens", default="1", help="tokens per sequence, e.g. 1 or 1,4,8 (2..8 = speculative verify)")
-    p.add_argument("--replays", type=int, default=100)
-    p.add_argument("--out", default=None, help="CSV to write (e.g. data/measured/stock_h200.csv)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--check-only", action="store_true",
-                   help="only compare each configuration with the fp32 reference (no graph capture, no timing)")
+    _add_run_args(p, "tokens per sequence, e.g. 1 or 1,4,8 (2..8 = speculative verify)")
     p.set_defaults(func=_cmd_sweep)
 
     p = sub.add_parser("moe", help="check and time the MoE half: stock (15 launches) vs fused (4) (GPU)",
@@ -227,11 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executors", default="stock,fused")
     p.add_argument("--tps", default="8")
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--tokens", default="1", help="tokens per sequence, e.g. 1,4,8 (batch x tokens <= 64 fused)")
-    p.add_argument("--replays", type=int, default=100)
-    p.add_argument("--out", default=None)
-    p.add_argument("--check-only", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    _add_run_args(p, "tokens per sequence, e.g. 1,4,8 (batch x tokens <= 64 fused)")
     p.set_defaults(func=_cmd_moe)
 
     p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")

@@ -76,9 +76,10 @@ class FusedMoE:
         arch = kc.resolve_arch(arch)
         mt = km.pick_m_tile(N)
         self.separate_routing = separate_routing
+        down_key = km.MoEDownKey(shape, arch=arch)
         self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
                      kc.load(km.MoEUpKey(shape, arch=arch)),
-                     kc.load(km.MoEDownKey(shape, arch=arch)), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
+                     kc.load(down_key), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):
@@ -100,7 +101,6 @@ class FusedMoE:
         self.act = torch.zeros(km.E, dtype=torch.int32, device=dev)
         self.mask = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)
         self.a = nan(min(km.TOPK * N, km.E), N, I)  # SiTU output per (active expert, token)
-        down_key = km.MoEDownKey(shape, arch=arch)
         self.cnt = torch.zeros(km.L // (down_key.warps * down_key.rows_per_warp), dtype=torch.int32, device=dev)
         self.a_sh = nan(N, S)
         # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)

@@ -81,7 +81,7 @@ def profile_vs_graph() -> pd.DataFrame:
     (from `data/measured`), and their ratio. Under Nsight Compute every kernel runs alone with a cold L2
     and no stream overlap, so the sum exceeds the replay time; PROFILE_OVERHEAD_BOUNDS is the band
     documented in docs/profiling.md."""
-    from .profile import saved_profiles
+    from .profile import load_profile, saved_profiles
 
     graph = []
     for name in ("stock_h200_tp8", "moe_half_h200_tp8"):
@@ -91,20 +91,20 @@ def profile_vs_graph() -> pd.DataFrame:
             continue
     rows = []
     for _, p in saved_profiles().iterrows():
-        parts = p.config.split("-")
-        layer, tp, batch = parts[0], int(parts[1][2:]), int(parts[2][1:])
-        ctx = next((int(x[3:]) for x in parts if x.startswith("ctx")), None)
+        req = load_profile(p.folder).attrs["provenance"].get("request")
+        if not req:
+            continue
+        whole_layer = req["executor"] in ("stock", "compile")
+        name = req["executor"] if whole_layer else req["executor"].removesuffix("-moe")
         match = None
         for df in graph:
-            if p.executor in ("stock", "compile") and "layer" in df.columns:
-                q = df[(df.executor == p.executor) & (df.layer == layer) & (df.tp == tp) & (df.batch == batch)]
-                if ctx is not None:
-                    q = q[q.context == ctx]
-            elif p.executor.endswith("-moe") and "part" in df.columns:
-                q = df[(df.executor == p.executor[:-4]) & (df.tp == tp) & (df.batch == batch)]
-            else:
+            if whole_layer != ("layer" in df.columns) or "us_median" not in df.columns:
                 continue
-            if len(q) and "us_median" in q.columns:
+            q = df[(df.executor == name) & (df.tp == req["tp"]) & (df.batch == req["batch"])
+                   & (df.tokens_per_seq == req["tokens"])]
+            if whole_layer:
+                q = q[(q.layer == req["layer"]) & (q.context == req["context"])]
+            if len(q):
                 match = float(q.us_median.iloc[0])
         if match is not None:
             rows.append({"executor": p.executor, "config": p.config, "kernels": p.kernels,

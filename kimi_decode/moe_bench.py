@@ -15,7 +15,7 @@ from typing import Iterable
 import pandas as pd
 import torch
 
-from .accuracy import all_written, routing_agreement, within_bf16_rule
+from .accuracy import compare_step
 from .byte_counts import moe_replicated_bytes, routed_expert_bytes, shared_expert_bytes
 from .config import ShardSpec
 from .reference import Storage
@@ -58,13 +58,7 @@ def check_moe(make, w: LayerWeights, x: torch.Tensor) -> dict:
     ex = make(w, x)
     ex()
     torch.cuda.synchronize()
-    out = ex.h
-    keep, flips, ties = routing_agreement(ex.routing[0], x, w.moe, w.cfg)
-    keep = keep.to(out.device)
-    ok, err, bound = within_bf16_rule(out[keep].float(), ref[keep], ref_bf[keep])
-    written = all_written(out)
-    return {"check_ok": bool(ok and written and ties), "err_vs_fp32": err, "err_bound": bound,
-            "all_written": written, "routing_flips": flips,
+    return {**compare_step(ex.h, ref, ref_bf, ex.routing[0], x, w.moe, w.cfg),
             "active_experts": int(torch.unique(routing.ids).numel())}
 
 

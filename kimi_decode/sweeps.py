@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from .accuracy import all_written, within_bf16_rule
+from .accuracy import compare_step
 from .bench import measure_copy_bandwidth, provenance, time_graph
 from .byte_counts import layer_bytes
 from .config import DecodeShape, ShardSpec
@@ -56,25 +56,15 @@ def check_against_reference(make_executor: Callable[[LayerWeights, DecodeState],
     MoE layers: tokens whose top-k set differs from the reference's (allowed only at near-ties of the
     biased router score) are left out of the comparison and counted in `routing_flips`.
     """
-    from .accuracy import routing_agreement
-
     ref = decoder_layer(w, st.clone())
     ref_bf16 = decoder_layer(w, st.clone(), storage=Storage.BF16)
     ex = make_executor(w, st.clone())
     ex()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    out = ex.h
-    keep = torch.ones(out.shape[0], dtype=torch.bool)
-    flips, flips_are_ties = 0, True
     routing = getattr(ex, "routing", None)
-    if w.moe is not None and routing is not None:
-        keep, flips, flips_are_ties = routing_agreement(routing[0], ref.x_mlp, w.moe, w.cfg)
-    keep = keep.to(out.device)
-    ok, err, bound = within_bf16_rule(out[keep].float(), ref.h[keep], ref_bf16.h[keep])
-    written = all_written(out)
-    return {"check_ok": bool(ok and written and flips_are_ties), "err_vs_fp32": err, "err_bound": bound,
-            "all_written": written, "routing_flips": flips}
+    return compare_step(ex.h, ref.h, ref_bf16.h, routing[0] if routing is not None else None, ref.x_mlp, w.moe,
+                        w.cfg)
 
 
 def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor_name: str,
