@@ -39,6 +39,9 @@ def _attn_res_bf16(p, delta, blocks, n: int, j: int, w_n, w_q, w_o, eps: float):
     return y.to(torch.bfloat16), p_new, blocks
 
 
+RECOMPILE_LIMIT = 1024
+
+
 class CompilePeer:
     """One layer's decode step in vectorised PyTorch, optionally under torch.compile."""
 
@@ -49,6 +52,9 @@ class CompilePeer:
         self.shape = state.shape
         self.table = mxfp4.e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(state.carry.p.device)
         fn = self._forward
+        # every CompilePeer compiles the same `_forward` code object (one Dynamo cache entry per layer kind,
+        # shape and weight copy): a sweep needs far more than Dynamo's default of 8 before it refuses
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # fullgraph: a graph break would hide a host sync or a Python fallback inside the "compiled" layer
         self.fn = torch.compile(fn, mode=mode, dynamic=False, fullgraph=True) if compile else fn
         self.h = None

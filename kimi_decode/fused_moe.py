@@ -20,6 +20,7 @@ from .stock.launch import Launch
 from .weights import LayerWeights
 
 MOE_KINDS = ("kda_moe", "mla_moe")
+ROUTE_IN_FRONT_MAX = 8  # tokens routed by the front kernel's last router CTA (4 warps); more: a fifth launch
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -60,9 +61,12 @@ class FusedMoE:
     """One decode step of the MoE half (§6.3) on one rank in four launches."""
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
-                 separate_routing: bool = False):
-        """separate_routing: route in a fifth launch (one CTA, one warp per token) instead of in the CTA
-        that finishes the router rows of the front GEMV last."""
+                 separate_routing: bool | None = None, variant: str | None = None):
+        """separate_routing: route in a fifth launch (one CTA of 32 warps, one warp per token) instead of in
+        the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
+        count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
+        variant: the experts kernels' launch shape, e.g. 'w4r2-w4r4e4s4' (`kernels.moe.parse_variant`);
+        None: the defaults."""
         from . import compile as kc
         from .kernels import moe as km
 
@@ -75,11 +79,15 @@ class FusedMoE:
         self.shape = shape = km.shapes_for_tp(tp)
         arch = kc.resolve_arch(arch)
         mt = km.pick_m_tile(N)
+        if separate_routing is None:
+            separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
-        down_key = km.MoEDownKey(shape, arch=arch)
+        up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
+        up_key = km.MoEUpKey(shape, arch=arch, **up_kw)
+        down_key = km.MoEDownKey(shape, arch=arch, **down_kw)
+        self.variant = km.variant_name(up_key, down_key)
         self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
-                     kc.load(km.MoEUpKey(shape, arch=arch)),
-                     kc.load(down_key), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
+                     kc.load(up_key), kc.load(down_key), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):

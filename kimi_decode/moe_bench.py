@@ -26,15 +26,22 @@ MOE_EXECUTORS = ("stock", "fused", "fused5")
 
 
 def make_moe_executor(name: str):
-    """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (4 CuTe DSL launches,
-    routing in the front GEMV's last router CTA) or 'fused5' (5: routing as its own launch)."""
+    """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (CuTe DSL: 4 launches
+    with the routing in the front GEMV's last router CTA up to 8 tokens, 5 beyond) or 'fused5' (always 5:
+    routing as its own launch). 'fused@w4r1-w4r8e2s8' (or 'fused5@…') picks a launch shape of the expert
+    kernels (`kernels.moe.parse_variant`) for tuning runs."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
-    if name in ("fused", "fused5"):
+    base, _, variant = name.partition("@")
+    if base in ("fused", "fused5"):
         from .fused_moe import FusedMoE
-        return lambda w, x: FusedMoE(w, x, separate_routing=name == "fused5")
-    raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS}, got {name!r}")
+        if variant:
+            from .kernels.moe import parse_variant
+            parse_variant(variant)  # refuse a malformed name before any GPU work
+        return lambda w, x: FusedMoE(w, x, separate_routing=True if base == "fused5" else None,
+                                     variant=variant or None)
+    raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS} (optionally with @variant), got {name!r}")
 
 
 def moe_input(tokens: int, d: int, seed: int, device) -> torch.Tensor:

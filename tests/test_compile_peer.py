@@ -55,3 +55,21 @@ def test_peer_compiles_as_one_graph(tiny_cfg, kind):
         assert ok, ("state", err, bound)
     else:
         assert (st2.mla.kv != st.mla.kv).any()
+
+
+def test_peer_raises_the_recompile_limit_for_sweeps(tiny_cfg):
+    """A sweep builds one CompilePeer per (layer, shape, weight copy), all compiling the same `_forward`:
+    Dynamo's default limit of 8 recompilations refused every configuration after the eighth on the H200
+    (FailOnRecompileLimitHit), so constructing a compiled peer must lift it."""
+    import torch._dynamo
+
+    from kimi_decode.compile_peer import RECOMPILE_LIMIT
+    old = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        sh = ShardSpec(tp=2, cfg=tiny_cfg)
+        CompilePeer(make_layer_weights("dense", sh, seed=1),
+                    make_decode_state("dense", sh, DecodeShape(1, 1, 5), seed=1), compile=True)
+        assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
+    finally:
+        torch._dynamo.config.recompile_limit = old

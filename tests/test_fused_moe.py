@@ -133,13 +133,62 @@ def test_fused_matches_reference_tp16(batch):
 
 
 @pytest.mark.gpu
-def test_fused_runs_in_four_kernels_under_a_cuda_graph(w8):
+@pytest.mark.parametrize("tokens,kernels", [(4, 4), (8, 4), (16, 5)])
+def test_fused_kernel_count_under_a_cuda_graph(w8, tokens, kernels):
+    """Four launches while the front kernel routes (up to ROUTE_IN_FRONT_MAX tokens), five beyond."""
     from kimi_decode.bench import time_graph
     from kimi_decode.moe_bench import moe_input
-    ex = FusedMoE(w8, moe_input(4, D, seed=1, device="cuda"))
+    ex = FusedMoE(w8, moe_input(tokens, D, seed=1, device="cuda"))
     t = time_graph([ex], replays=5)
-    assert t.kernels_per_layer == 4 == len(ex.launches())
+    assert t.kernels_per_layer == kernels == len(ex.launches())
     assert torch.isfinite(ex.h).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_routing_in_front_and_separate_launch_agree(w8, tokens):
+    """Both routing placements run the same selection: identical ids, weights and outputs."""
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(tokens, D, seed=40 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x, separate_routing=False), FusedMoE(w8, x, separate_routing=True)
+    a(), b()
+    torch.cuda.synchronize()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
+    assert torch.equal(a.h, b.h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("separate", [False, True])
+def test_routing_ties_go_to_the_lowest_expert_index(w8, separate):
+    """Experts 0..47 get identical router rows (exactly tied scores, zero bias) that beat every other
+    expert: the top 16 must be experts 0..15, in index order (torch.topk's order with lowest-index ties)."""
+    import dataclasses
+
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(6, D, seed=12, device="cuda")
+    gate = (0.01 * w8.moe.gate.float()).to(torch.bfloat16)
+    gate[:48] = (0.5 * x.float().mean(0) / x.float().mean(0).norm()).to(torch.bfloat16)
+    moe = dataclasses.replace(w8.moe, gate=gate,
+                              e_score_correction_bias=torch.zeros_like(w8.moe.e_score_correction_bias))
+    ex = FusedMoE(dataclasses.replace(w8, moe=moe), x, separate_routing=separate)
+    ex()
+    torch.cuda.synchronize()
+    logits = ex.front[:, :48]
+    assert (logits == logits[:, :1]).all(), "the tied rows must give bit-identical logits"
+    want = torch.arange(16, dtype=torch.int32, device="cuda").expand(6, 16)
+    assert torch.equal(ex.ids, want), ex.ids
+    assert torch.allclose(ex.wts.sum(1), torch.full((6,), w8.cfg.routed_scaling_factor, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["w4r1-w4r4e4s4", "w8r1-w4r8e2s8", "w8r2-w8r4e4s4", "w4r2-w4r16e2s4",
+                                     "w4r2-w4r4e2s8", "w4r2-w4r8e4s4"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_tuning_variants_match_the_reference(w8, variant, batch):
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch, D, seed=60 + batch, device="cuda")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], r
 
 
 @pytest.mark.gpu
@@ -151,6 +200,37 @@ def test_fused_refuses_scales_outside_the_decode_range(w8):
     w = dataclasses.replace(w8, moe=dataclasses.replace(w8.moe, w2_scale=s))
     with pytest.raises(ValueError, match="scale byte 200"):
         FusedMoE(w, moe_input(1, D, seed=0, device="cuda"))
+
+
+def test_variant_names_parse_and_round_trip():
+    from kimi_decode.kernels import moe as km
+    up, down = km.parse_variant("w8r1-w4r8e2s8")
+    assert up == dict(warps=8, rows_per_warp=1)
+    assert down == dict(warps=4, rows_per_warp=8, experts_ahead=2, expert_splits=8)
+    s = km.shapes_for_tp(8)
+    assert km.variant_name(km.MoEUpKey(s, **up), km.MoEDownKey(s, **down)) == "w8r1-w4r8e2s8"
+    with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):
+        km.parse_variant("fast")
+    for w, r in km.TUNE_UP:  # every tuning variant is compiled ahead of time
+        assert km.MoEUpKey(s, warps=w, rows_per_warp=r) in km.UP.aot_keys("sm_90a")
+
+
+@pytest.mark.parametrize("name", ["moe_front", "moe_route", "moe_up", "moe_down", "moe_tail"])
+def test_moe_kernels_compile_for_sm90a(compiler, name):
+    """Each MoE kernel's TP8 default compiles for sm_90a with its instructions: routing by a bitwise search
+    (redux.sync, no arg-max chain), the in-register MXFP4 decode (mul.rn.bf16x2), no local-memory spills."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    s = km.shapes_for_tp(8)
+    key = {"moe_front": km.MoEFrontKey(s), "moe_route": km.MoERouteKey(s), "moe_up": km.MoEUpKey(s),
+           "moe_down": km.MoEDownKey(s), "moe_tail": km.MoETailKey(s)}[name]
+    ptx = kc.ptx_text(key)
+    assert ".target sm_90a" in ptx
+    for needle in kc.registry()[name].ptx_checks:
+        assert needle in ptx, f"{name}: PTX lacks {needle!r}"
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local-memory spills"
+    if name in ("moe_front", "moe_route"):
+        assert ptx.count("redux.sync.add") >= 32, "routing must use the 32-step bitwise top-k search"
 
 
 def test_config_sizes_match_the_kernels():

@@ -142,11 +142,16 @@ _ROUTE = None
 def route_tokens():
     """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
 
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS, SCALING)
 
-    one warp per token: s = σ(logit), 16 rounds of a warp arg-max of s + bias, weights s / Σ s;
-    then the expert-major tables (active experts, 64-bit token masks) through shared memory
-    (`masks` [E, 2] Int32, `flag` [2] Int32); mMeta[0] = number of active experts.
+    One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers;
+    the 16th largest key T is found exactly by a 32-step bitwise search (each step: count the keys
+    ≥ a candidate with one `redux.sync`), so the cost does not grow with k and has no dependent
+    arg-max chain. Keys > T and the lowest-index ties = T make the top 16; they are compacted through
+    shared memory (`lst` [WARPS * 16, 2] Int32) and ordered by (key desc, index asc), as torch.topk
+    with lowest-index ties. Weights s / Σ s · scaling. Then the expert-major tables (active experts,
+    64-bit token masks) through shared memory (`masks` [E, 2] Int32, `flag` [2] Int32);
+    mMeta[0] = number of active experts.
     """
     global _ROUTE
     if _ROUTE is None:
@@ -154,22 +159,39 @@ def route_tokens():
     return _ROUTE
 
 
+ROUTE_LIST_WORDS = 2 * TOPK  # Int32 words of shared memory per routing warp (key, index) × 16
+
+
+def _order_key(f):
+    """fp32 -> Int32 whose signed order is the float order (traced)."""
+    from cutlass import Int32
+
+    b = f.ir_value()
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    bits = Int32(llvm.bitcast(T.i32(), b))
+    return bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
+
+
 def _make_route():
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Constexpr, Float32, Int32
+    from cutlass import Boolean, Constexpr, Float32, Int32
 
     NPL = E // 32
+    INT_MIN = -(1 << 31)
 
     @cute.jit
     def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-              mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, masks: cute.Tensor, flag: cute.Tensor,
-              WARPS: Constexpr, SCALING: Constexpr):
+              mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, masks: cute.Tensor, lst: cute.Tensor,
+              flag: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr):
         THREADS = 32 * WARPS
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         M = mIds.shape[0]
+        lt = Int32(cute.arch.lanemask_lt())
         for e in cutlass.range(tid, E, THREADS):
             masks[e, 0] = Int32(0)
             masks[e, 1] = Int32(0)
@@ -177,36 +199,59 @@ def _make_route():
             flag[1] = Int32(0)
         cute.arch.barrier()
         for t in cutlass.range(warp, M, WARPS):
-            sc = cute.make_rmem_tensor((NPL,), Float32)
+            ky = cute.make_rmem_tensor((NPL,), Int32)
             for j in cutlass.range_constexpr(NPL):
                 lg = mO[t, lane + 32 * j]
-                sc[j] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg)) + mBias[lane + 32 * j]
-            mine = Int32(0)
-            for kk in cutlass.range_constexpr(TOPK):
-                bv = sc[0]
-                bi = lane
-                for j in cutlass.range_constexpr(1, NPL):
-                    if sc[j] > bv:
-                        bv = sc[j]
-                        bi = lane + 32 * j
-                for off in cutlass.range_constexpr(5):
-                    ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << (4 - off))
-                    oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << (4 - off))
-                    if ov > bv or (ov == bv and oi < bi):
-                        bv = ov
-                        bi = oi
+                sj = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg)) + mBias[lane + 32 * j]
+                ky[j] = _order_key(sj)
+            # T (as unsigned bits tu): the largest value with at least TOPK keys >= it, bit by bit
+            tu = Int32(0)
+            for b in cutlass.range_constexpr(32):
+                cu = tu | Int32((1 << (31 - b)) if b else INT_MIN)
+                cs = cu ^ Int32(INT_MIN)
+                cq = [Int32(0), Int32(0), Int32(0), Int32(0)]  # four partial counts: a short add chain
                 for j in cutlass.range_constexpr(NPL):
-                    if bi == lane + 32 * j:
-                        sc[j] = -Float32.inf
-                if lane == kk:
-                    mine = bi
+                    cq[j % 4] = cq[j % 4] + Int32(ky[j] >= cs)
+                if cute.arch.warp_redux_sync((cq[0] + cq[1]) + (cq[2] + cq[3]), "add") >= TOPK:
+                    tu = cu
+            th = tu ^ Int32(INT_MIN)
+            c = Int32(0)
+            for j in cutlass.range_constexpr(NPL):
+                c = c + Int32(ky[j] > th)
+            need = Int32(TOPK) - cute.arch.warp_redux_sync(c, "add")  # ties at T to take, lowest index first
+            base = Int32(0)
+            tb = Int32(0)
+            for j in cutlass.range_constexpr(NPL):
+                eq = ky[j] == th
+                be = cute.arch.vote_ballot_sync(eq)
+                sel = ky[j] > th
+                if eq:
+                    sel = tb + cute.arch.popc(be & lt) < need
+                bs = cute.arch.vote_ballot_sync(sel)
+                if sel:
+                    pos = (warp * TOPK + base + cute.arch.popc(bs & lt)) * 2
+                    lst[pos] = ky[j]
+                    lst[pos + 1] = lane + 32 * j
+                base = base + cute.arch.popc(bs)
+                tb = tb + cute.arch.popc(be)
+            cute.arch.sync_warp()
+            mine = Int32(0)
+            slot = Int32(0)
             s = Float32(0.0)
             if lane < TOPK:
+                mk = lst[(warp * TOPK + lane) * 2]
+                mine = lst[(warp * TOPK + lane) * 2 + 1]
+                for q in cutlass.range_constexpr(TOPK):
+                    okey = lst[(warp * TOPK + q) * 2]
+                    oid = lst[(warp * TOPK + q) * 2 + 1]
+                    if okey > mk or (okey == mk and oid < mine):
+                        slot = slot + Int32(1)
                 s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
             tot = cute.arch.warp_reduction_sum(s)
+            cute.arch.sync_warp()  # the list is reused by this warp's next token
             if lane < TOPK:
-                mIds[t, lane] = mine
-                mWts[t, lane] = s / tot * Float32(SCALING)
+                mIds[t, slot] = mine
+                mWts[t, slot] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
                 word = t // 32
                 cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
@@ -259,6 +304,7 @@ def build_front(key: MoEFrontKey):
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
         masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False)
         if tid < RM:
@@ -277,7 +323,8 @@ def build_front(key: MoEFrontKey):
                 cute.arch.barrier()
                 if flag[0] != 0:  # the last router CTA: every logit of the step is written
                     cute.arch.fence_acq_rel_gpu()
-                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS,
+                                   SCALING)
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
 
@@ -288,7 +335,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + 8 * E + 64, stream=stream)
+            smem=4 * WARPS * RM + 8 * E + 4 * WARPS * ROUTE_LIST_WORDS + 96, stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -315,14 +362,16 @@ def build_route(key: MoERouteKey):
                      mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
         masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, flag, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS, SCALING)
 
     @cute.jit
     def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                    mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, stream):
         route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
-            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=8 * E + 64, stream=stream)
+            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=8 * E + 4 * WARPS * ROUTE_LIST_WORDS + 96,
+            stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -637,6 +686,17 @@ def build_tail(key: MoETailKey):
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM + MT), stride=(RM + MT, 1)),
                                    byte_alignment=16)
+        # the shared all-reduce read is issued before the GEMV streams W_up, so its latency is hidden
+        # (every thread loads, at clamped indices; the owners of an output use them after the GEMV)
+        tc = cutlass.min(tid, RM - 1)
+        rc = tc // MT
+        mc = cutlass.min(m0 + tc - rc * MT, M - 1)
+        shv = []
+        for p_ in cutlass.range_constexpr(TP):
+            shv.append(mSh[p_, mc, row0 + rc])
+        cf = []
+        for p_ in cutlass.range_constexpr(TP):
+            cf.append(mCoef[p_])
         gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True)
         if tid < RM:
             r = tid // MT
@@ -646,7 +706,7 @@ def build_tail(key: MoETailKey):
             if m0 + mi < M:
                 s = s * cute.math.rsqrt(q * Float32(1.0 / K) + Float32(EPS))
                 for p_ in cutlass.range_constexpr(TP):
-                    s = s + mCoef[p_] * mSh[p_, m0 + mi, row0 + r].to(Float32)
+                    s = s + cf[p_] * shv[p_].to(Float32)
                 mO[m0 + mi, row0 + r] = s.to(BFloat16)
 
     @cute.jit
@@ -685,6 +745,31 @@ def shapes_for_tp(tp: int) -> MoEShape:
                     beta_lin=cfg.situ_linear_beta, eps=cfg.rms_norm_eps, scaling=cfg.routed_scaling_factor)
 
 
+# launch-shape variants compiled ahead of time at TP8 for the on-GPU tuning run
+# (`kimi-decode moe --executors fused@w4r1-w4r8e2s8,...`; see parse_variant)
+TUNE_UP = ((4, 1), (8, 1), (8, 2))
+TUNE_DOWN = ((4, 4, 2, 8), (4, 8, 4, 4), (4, 8, 2, 8), (8, 4, 4, 4), (4, 16, 2, 4))
+
+
+def parse_variant(text: str) -> tuple[dict, dict]:
+    """'w4r1-w4r8e2s8' -> (MoEUpKey fields, MoEDownKey fields): up warps/rows per warp, then down
+    warps/rows per warp/experts ahead/expert splits."""
+    import re
+
+    m = re.fullmatch(r"w(\d+)r(\d+)-w(\d+)r(\d+)e(\d+)s(\d+)", text)
+    if not m:
+        raise ValueError(f"fused MoE variant must look like w4r2-w4r4e4s4 (up warps, rows per warp; down warps, "
+                         f"rows per warp, experts ahead, expert splits), got {text!r}")
+    v = [int(g) for g in m.groups()]
+    return (dict(warps=v[0], rows_per_warp=v[1]),
+            dict(warps=v[2], rows_per_warp=v[3], experts_ahead=v[4], expert_splits=v[5]))
+
+
+def variant_name(up: "MoEUpKey", down: "MoEDownKey") -> str:
+    return (f"w{up.warps}r{up.rows_per_warp}-w{down.warps}r{down.rows_per_warp}e{down.experts_ahead}"
+            f"s{down.expert_splits}")
+
+
 def aot_keys_for(kind: str):
     def keys(arch: str):
         out = []
@@ -696,8 +781,13 @@ def aot_keys_for(kind: str):
                 out.append(MoERouteKey(s, arch=arch))
             elif kind == "up":
                 out.append(MoEUpKey(s, arch=arch))
+                if tp == 8:
+                    out += [MoEUpKey(s, warps=w, rows_per_warp=r, arch=arch) for w, r in TUNE_UP]
             elif kind == "down":
                 out.append(MoEDownKey(s, arch=arch))
+                if tp == 8:
+                    out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, arch=arch)
+                            for w, r, e, x in TUNE_DOWN]
             else:
                 out += [MoETailKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
         return out
