@@ -61,12 +61,14 @@ class FusedMoE:
     """One decode step of the MoE half (§6.3) on one rank in four launches."""
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
-                 separate_routing: bool | None = None, variant: str | None = None):
+                 separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True):
         """separate_routing: route in a fifth launch (one CTA of 32 warps, one warp per token) instead of in
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
         variant: the experts kernels' launch shape, e.g. 'w4r2-w4r4e4s4' (`kernels.moe.parse_variant`);
-        None: the defaults."""
+        None: the defaults.
+        pdl: launch each kernel after the first as a programmatic dependent of the one before (its
+        weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order."""
         from . import compile as kc
         from .kernels import moe as km
 
@@ -83,11 +85,13 @@ class FusedMoE:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
         up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
-        up_key = km.MoEUpKey(shape, arch=arch, **up_kw)
-        down_key = km.MoEDownKey(shape, arch=arch, **down_kw)
+        up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
+        down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
         self.variant = km.variant_name(up_key, down_key)
+        self.pdl = pdl
         self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
-                     kc.load(up_key), kc.load(down_key), kc.load(km.MoETailKey(shape, m_tile=mt, arch=arch))]
+                     kc.load(up_key), kc.load(down_key),
+                     kc.load(km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):
@@ -126,7 +130,7 @@ class FusedMoE:
         from .byte_counts import expected_active_experts
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
-        self._route = kc.load(km.MoERouteKey(shape, arch=arch)) if separate_routing else None
+        self._route = kc.load(km.MoERouteKey(shape, pdl=pdl, arch=arch)) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,

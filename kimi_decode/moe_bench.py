@@ -22,25 +22,26 @@ from .reference import Storage
 from .reference.moe import moe_block_one_rank
 from .weights import LayerWeights, make_layer_weights
 
-MOE_EXECUTORS = ("stock", "fused", "fused5")
+MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl")
 
 
 def make_moe_executor(name: str):
     """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (CuTe DSL: 4 launches
     with the routing in the front GEMV's last router CTA up to 8 tokens, 5 beyond) or 'fused5' (always 5:
-    routing as its own launch). 'fused@w4r1-w4r8e2s8' (or 'fused5@…') picks a launch shape of the expert
-    kernels (`kernels.moe.parse_variant`) for tuning runs."""
+    routing as its own launch), 'fused-nopdl' (as 'fused', each launch waiting for the previous one to
+    finish: no programmatic dependent launch). 'fused@w4r1-w4r8e2s8' (or 'fused5@…') picks a launch shape
+    of the expert kernels (`kernels.moe.parse_variant`) for tuning runs."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
     base, _, variant = name.partition("@")
-    if base in ("fused", "fused5"):
+    if base in ("fused", "fused5", "fused-nopdl"):
         from .fused_moe import FusedMoE
         if variant:
             from .kernels.moe import parse_variant
             parse_variant(variant)  # refuse a malformed name before any GPU work
         return lambda w, x: FusedMoE(w, x, separate_routing=True if base == "fused5" else None,
-                                     variant=variant or None)
+                                     variant=variant or None, pdl=base != "fused-nopdl")
     raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS} (optionally with @variant), got {name!r}")
 
 

@@ -158,6 +158,24 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 33])
+def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
+    """With PDL each kernel starts while the previous one drains; what it reads from that one is read after
+    griddepcontrol.wait, so the results equal plain stream order bit for bit (eagerly and in a CUDA graph)."""
+    from kimi_decode.bench import time_graph
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(tokens, D, seed=80 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x, pdl=True), FusedMoE(w8, x, pdl=False)
+    a(), b()
+    torch.cuda.synchronize()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.h, b.h)
+    h_eager = a.h.clone()
+    a.h.fill_(float("nan"))
+    time_graph([a], replays=3)
+    assert torch.equal(a.h, h_eager)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True])
 def test_routing_ties_go_to_the_lowest_expert_index(w8, separate):
     """Experts 0..47 get identical router rows (exactly tied scores, zero bias) that beat every other
@@ -231,6 +249,9 @@ def test_moe_kernels_compile_for_sm90a(compiler, name):
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local-memory spills"
     if name in ("moe_front", "moe_route"):
         assert ptx.count("redux.sync.add") >= 32, "routing must use the 32-step bitwise top-k search"
+    # programmatic dependent launch: the front lets the next launch start; the dependents wait before reading
+    assert ("griddepcontrol.wait" in ptx) == (name != "moe_front")
+    assert ("griddepcontrol.launch_dependents" in ptx) == (name != "moe_tail")
 
 
 def test_config_sizes_match_the_kernels():

@@ -86,13 +86,17 @@ _PARTIALS = None
 def gemv_partials():
     """The `@cute.jit` building block of every GEMV-shaped kernel, inlined where a kernel calls it:
 
-        gemv_partials()(mW, mX, mS, buf, row0, m0, K, MT, R, WARPS, U, scale, ssq)
+        pre = gemv_partials()(mW, mX, mS, buf, row0, m0, K, MT, R, WARPS, U, scale, ssq, wait, after_wait)
 
     computes the CTA's dot products W[row0 + r] · x[m0 + mi] (r < R, mi < MT). Each warp's partial
     sums are reduced over its lanes and left in shared memory: buf[warp, r * MT + mi]; with `ssq`,
     buf[warp, R * MT + mi] holds the warp's part of Σ_k x[m0 + mi, k]². With `scale`, x is multiplied
-    elementwise by mS ([1, K] bf16, an RMSNorm weight) as it is loaded (mS is ignored otherwise). Ends
-    with a CTA barrier; the caller sums buf over warps (one thread per entry).
+    elementwise by mS ([1, K] bf16, an RMSNorm weight) as it is loaded (mS is ignored otherwise). With
+    `wait` (a kernel launched as a programmatic dependent), the first group of weight loads is issued
+    before `griddepcontrol.wait` and x (the previous launch's output) is read after it; `after_wait`
+    (a traced Python callable, or None) is called right after the wait, so the loads it issues fly with
+    the GEMV's, and its result is returned. Ends with a CTA barrier; the caller sums buf over warps (one
+    thread per entry).
     """
     global _PARTIALS
     if _PARTIALS is None:
@@ -131,7 +135,7 @@ def _make_partials():
     @cute.jit
     def partials(mW: cute.Tensor, mX: cute.Tensor, mS: cute.Tensor, buf: cute.Tensor, row0, m0,
                  K: Constexpr, MT: Constexpr, R: Constexpr, WARPS: Constexpr, U: Constexpr,
-                 scale: Constexpr, ssq: Constexpr):
+                 scale: Constexpr, ssq: Constexpr, wait: Constexpr, after_wait: Constexpr = None):
         FULL = K // CHUNK
         TAIL = (K % CHUNK) // VEC
         PER_WARP = -(-FULL // WARPS)
@@ -143,6 +147,8 @@ def _make_partials():
         gW = cute.zipped_divide(mW, (1, VEC))  # ((1, VEC), (N, K / VEC))
         gX = cute.zipped_divide(mX, (1, VEC))
         gS = cute.zipped_divide(mS, (1, VEC))
+        assert not wait or GROUPS > 0, "wait needs at least one full chunk per warp"
+        pre = None
         acc = cute.make_rmem_tensor((RM + MT,), Float32)
         for i in cutlass.range_constexpr(RM + MT):
             acc[i] = Float32(0.0)
@@ -154,6 +160,7 @@ def _make_partials():
             xs = []
             ss = []
             live = []
+            kvs = []
             for u in cutlass.range_constexpr(U):
                 step = g * U + u
                 if const_expr(step < PER_WARP):
@@ -164,18 +171,25 @@ def _make_partials():
                     else:
                         live.append(None)
                     kv = c * 32 + lane
+                    kvs.append(kv)
                     wr = []
                     for r in cutlass.range_constexpr(R):
                         wr.append(gW[(None, (row0 + r, kv))].load())
                     ws.append(wr)
-                    xr = []
-                    for mi in cutlass.range_constexpr(MT):
-                        xr.append(gX[(None, (xrow[mi], kv))].load())
-                    xs.append(xr)
-                    if const_expr(scale):
-                        ss.append(gS[(None, (0, kv))].load())
-                    else:
-                        ss.append(None)
+            if const_expr(wait and g == 0):
+                cute.arch.griddepcontrol_wait()
+                if const_expr(after_wait is not None):
+                    pre = after_wait()
+            for u in cutlass.range_constexpr(len(kvs)):
+                kv = kvs[u]
+                xr = []
+                for mi in cutlass.range_constexpr(MT):
+                    xr.append(gX[(None, (xrow[mi], kv))].load())
+                xs.append(xr)
+                if const_expr(scale):
+                    ss.append(gS[(None, (0, kv))].load())
+                else:
+                    ss.append(None)
             for u in cutlass.range_constexpr(len(ws)):
                 for mi in cutlass.range_constexpr(MT):
                     x = xs[u][mi].to(Float32)
@@ -206,6 +220,7 @@ def _make_partials():
             if lane == 0:
                 buf[warp, i] = s
         cute.arch.barrier()
+        return pre
 
     return partials
 
@@ -230,7 +245,7 @@ def build(key: GemvKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False)
+        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT

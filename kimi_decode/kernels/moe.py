@@ -18,6 +18,16 @@ expert's packed bytes are read once per step (expert-major loops, token masks).
 All-reduces on one GPU are emulated as in the stock schedule: the kernel reads
 `tp` buffers (its own partial and the stand-ins of the peers') weighted by a
 runtime coefficient vector [1, 0, …]; the cross-rank wait is not emulated.
+
+PDL (programmatic dependent launch, keys' `pdl`): launches 2–4 (and the separate routing
+launch) are launched as dependents of the launch before them. Every kernel lets its
+dependent start as soon as it has started itself (`griddepcontrol.launch_dependents`,
+after its own wait), so the next kernel's CTAs are scheduled into the SM slots the
+previous one frees in its last wave, and do what does not depend on it before
+`griddepcontrol.wait`: moe_down loads its experts' W2 codes and the shared-down rows
+(the routing tables it reads come from moe_front, which has completed by then: moe_up
+triggers only after its own wait), moe_tail loads its W_up rows. What a kernel reads
+from its predecessor is read after the wait.
 """
 
 
@@ -75,6 +85,7 @@ class MoERouteKey:
 
     shape: MoEShape
     warps: int = 32
+    pdl: bool = True  # programmatic dependent launch (see PDL below)
     arch: str = "sm_90a"
 
 
@@ -83,6 +94,7 @@ class MoEUpKey:
     shape: MoEShape
     warps: int = 4
     rows_per_warp: int = 2
+    pdl: bool = True
     arch: str = "sm_90a"
 
 
@@ -93,6 +105,7 @@ class MoEDownKey:
     rows_per_warp: int = 4  # latent rows per warp (lane groups of 32 / rows_per_warp)
     experts_ahead: int = 4  # experts whose W2 rows are loaded before any is used
     expert_splits: int = 4  # CTAs sharing a row block's experts (partials meet through red.add)
+    pdl: bool = True
     arch: str = "sm_90a"
 
 
@@ -100,6 +113,7 @@ class MoEDownKey:
 class MoETailKey:
     shape: MoEShape
     m_tile: int = 1
+    pdl: bool = True
     arch: str = "sm_90a"
 
 
@@ -306,7 +320,8 @@ def build_front(key: MoEFrontKey):
         masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
         lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
-        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False)
+        cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
+        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
@@ -354,8 +369,10 @@ def build_route(key: MoERouteKey):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
+    from cutlass import const_expr
+
     sh = key.shape
-    WARPS, SCALING = key.warps, sh.scaling
+    WARPS, SCALING, PDL = key.warps, sh.scaling, key.pdl
 
     @cute.kernel
     def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
@@ -364,6 +381,9 @@ def build_route(key: MoERouteKey):
         masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
         lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        if const_expr(PDL):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS, SCALING)
 
     @cute.jit
@@ -371,7 +391,7 @@ def build_route(key: MoERouteKey):
                    mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, stream):
         route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
             grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=8 * E + 4 * WARPS * ROUTE_LIST_WORDS + 96,
-            stream=stream)
+            stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -399,6 +419,7 @@ def build_up(key: MoEUpKey):
     assert I % RB == 0 and (L // 16) % 32 == 0
     decode = decode_word()
     Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
+    PDL = key.pdl
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -410,6 +431,9 @@ def build_up(key: MoEUpKey):
         bx, by, _ = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
         M = mF.shape[0]
+        if const_expr(PDL):  # everything here reads the front (and routing) launch's outputs
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         if by == gy - 1:  # the shared experts' SiTU, and zeroing this rank's latent accumulator
             for idx in cutlass.range(bx * THREADS + tid, M * S, gx * THREADS):
                 t = idx // S
@@ -482,7 +506,7 @@ def build_up(key: MoEUpKey):
                 mLat: cute.Tensor, stream):
         M = mF.shape[0]
         up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mMask, mA, mAsh, mLat).launch(
-            grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream)
+            grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -513,6 +537,7 @@ def build_down(key: MoEDownKey):
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
     WARPS, RPW, UE, ES = key.warps, key.rows_per_warp, key.experts_ahead, key.expert_splits
+    PDL = key.pdl
     THREADS = 32 * WARPS
     G = 32 // RPW  # lanes per latent row
     NVD = (I // 16) // G  # 16-code vectors per lane
@@ -534,6 +559,8 @@ def build_down(key: MoEDownKey):
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
         M = mA.shape[1]
+        if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
+            cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
         acc = smem.allocate_tensor(Float32, cute.make_layout((MAX_M, RB), stride=(RB, 1)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
@@ -565,6 +592,8 @@ def build_down(key: MoEDownKey):
                         q2 = gW2[(None, (e, row, v))].load()
                         ws.append([q2[0], q2[1]])
                         ss.append(scale_pair(Int32(mS2[e, row, v // 2])))
+                if const_expr(PDL):  # W2 codes are in flight; a (moe_up's output) is read after this
+                    cute.arch.griddepcontrol_wait()
                 for u in cutlass.range_constexpr(UE):
                     if jb + u < nact:
                         e = es[u]
@@ -590,6 +619,8 @@ def build_down(key: MoEDownKey):
                                     p = p + cute.arch.shuffle_sync_bfly(p, offset=G >> (off + 1))
                                 if gl == 0:
                                     acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
+            if const_expr(PDL):  # (a CTA without experts) the partial moe_up zeroed is added to after this
+                cute.arch.griddepcontrol_wait()
             cute.arch.barrier()
             for idx in cutlass.range(tid, M * RB, THREADS):  # this CTA's share of the rank's latent partial
                 t = idx // RB
@@ -622,6 +653,8 @@ def build_down(key: MoEDownKey):
             wv = []
             for j in cutlass.range_constexpr(SH_VEC):
                 wv.append(gWd[(None, (n, gl + GS * j))].load().to(Float32))
+            if const_expr(PDL):  # a_sh comes from moe_up
+                cute.arch.griddepcontrol_wait()
             for t in cutlass.range(M):
                 p = Float32(0.0)
                 for j in cutlass.range_constexpr(SH_VEC):
@@ -637,7 +670,8 @@ def build_down(key: MoEDownKey):
                   mMask: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
                   mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
         down_kernel(mA, mW2, mS2, mMeta, mAct, mMask, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
-            grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream)
+            grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream,
+            use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -667,13 +701,13 @@ def build_down(key: MoEDownKey):
 def build_tail(key: MoETailKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, const_expr
 
     sh = key.shape
     N, K, MT, TP = D, L, key.m_tile, sh.tp
     R, WARPS, U = default_tiling(N, K, MT)
     RM = R * MT
-    EPS = sh.eps
+    EPS, PDL = sh.eps, key.pdl
 
     @cute.kernel
     def tail_kernel(mW: cute.Tensor, mX: cute.Tensor, mNorm: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
@@ -686,18 +720,25 @@ def build_tail(key: MoETailKey):
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM + MT), stride=(RM + MT, 1)),
                                    byte_alignment=16)
-        # the shared all-reduce read is issued before the GEMV streams W_up, so its latency is hidden
-        # (every thread loads, at clamped indices; the owners of an output use them after the GEMV)
+        # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
+        # loads, at clamped indices; the owners of an output use them after the GEMV). With PDL it reads
+        # moe_down's output, so it goes right after the wait, behind the first W_up loads.
         tc = cutlass.min(tid, RM - 1)
         rc = tc // MT
         mc = cutlass.min(m0 + tc - rc * MT, M - 1)
-        shv = []
-        for p_ in cutlass.range_constexpr(TP):
-            shv.append(mSh[p_, mc, row0 + rc])
         cf = []
         for p_ in cutlass.range_constexpr(TP):
             cf.append(mCoef[p_])
-        gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True)
+
+        def shared_reads():
+            return [mSh[p_, mc, row0 + rc] for p_ in range(TP)]
+
+        if const_expr(PDL):
+            shv = gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True, True,
+                                  shared_reads)
+        else:
+            shv = shared_reads()
+            gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
@@ -715,7 +756,7 @@ def build_tail(key: MoETailKey):
         M = mX.shape[0]
         tail_kernel(mW, mX, mNorm, mSh, mCoef, mO).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * (RM + MT) + 64,
-            stream=stream)
+            stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -778,18 +819,22 @@ def aot_keys_for(kind: str):
             if kind == "front":
                 out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
             elif kind == "route":
-                out.append(MoERouteKey(s, arch=arch))
+                out += [MoERouteKey(s, arch=arch)] + ([MoERouteKey(s, pdl=False, arch=arch)] if tp == 8 else [])
             elif kind == "up":
                 out.append(MoEUpKey(s, arch=arch))
                 if tp == 8:
+                    out.append(MoEUpKey(s, pdl=False, arch=arch))
                     out += [MoEUpKey(s, warps=w, rows_per_warp=r, arch=arch) for w, r in TUNE_UP]
             elif kind == "down":
                 out.append(MoEDownKey(s, arch=arch))
                 if tp == 8:
+                    out.append(MoEDownKey(s, pdl=False, arch=arch))
                     out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, arch=arch)
                             for w, r, e, x in TUNE_DOWN]
             else:
                 out += [MoETailKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
+                if tp == 8:
+                    out += [MoETailKey(s, m_tile=mt, pdl=False, arch=arch) for mt in M_TILES]
         return out
     return keys
 
