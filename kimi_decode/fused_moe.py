@@ -1,11 +1,12 @@
-"""The fused MoE half of a layer (four CuTe DSL launches, `kernels/moe.py`) as an executor.
+"""The fused MoE half of a layer (four or five CuTe DSL launches, `kernels/moe.py`) as an executor.
 
 `FusedMoE(weights, x)` validates everything before any launch (layer kind,
 TP shape, batch, dtype, device, MXFP4 scale range), prepares the fused weight
 layout once (the router, latent down and shared gate/up rows concatenated into
 one [E + L + 2S, d] matrix, since all three read x), preallocates NaN-poisoned
-outputs, and runs one step per call. `launches()` lists the four launches with
-the bytes each must move, like the stock schedule's inventory.
+outputs, and runs one step per call. `launches()` lists the launches (four; five
+when routing gets its own launch above 8 tokens) with the bytes each must move,
+like the stock schedule's inventory.
 
 The stock schedule's MoE half (`stock.schedule.StockMoEHalf`) is the baseline:
 same input, same weights, same single-GPU all-reduce emulation.
@@ -58,7 +59,7 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
 
 
 class FusedMoE:
-    """One decode step of the MoE half (§6.3) on one rank in four launches."""
+    """One decode step of the MoE half (§6.3) on one rank in four launches (five above 8 tokens)."""
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
                  separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True):
@@ -88,6 +89,11 @@ class FusedMoE:
         up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
         down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
         self.variant = km.variant_name(up_key, down_key)
+        cap = km.down_token_capacity(down_key)
+        if N > cap:
+            from .support import UnsupportedConfiguration
+            raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {self.variant}", N,
+                                           f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
         self.pdl = pdl
         self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
                      kc.load(up_key), kc.load(down_key),
@@ -111,8 +117,9 @@ class FusedMoE:
         self.wts = nan(N, km.TOPK, dtype=torch.float32)
         self.we = torch.zeros(km.E, N, dtype=torch.float32, device=dev)  # routing weight of (expert, token)
         self.act = torch.zeros(km.E, dtype=torch.int32, device=dev)
-        self.mask = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)
-        self.a = nan(min(km.TOPK * N, km.E), N, I)  # SiTU output per (active expert, token)
+        self.list = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)  # (offset, count) per active expert
+        self.tok = torch.zeros(km.TOPK * N, dtype=torch.int32, device=dev)  # token ids grouped by expert
+        self.a = nan(km.TOPK * N, I)  # SiTU output per (expert, token) pair, in the order of `tok`
         self.cnt = torch.zeros(km.L // (down_key.warps * down_key.rows_per_warp), dtype=torch.int32, device=dev)
         self.a_sh = nan(N, S)
         # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)
@@ -135,19 +142,19 @@ class FusedMoE:
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
                    run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                    self.act, self.mask)),
+                                    self.act, self.list, self.tok)),
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                              self.act, self.mask))] if separate_routing else []),
+                                              self.act, self.list, self.tok))] if separate_routing else []),
             Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
                    act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
-                   run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.mask,
-                                    self.a, self.a_sh, self.lat)),
+                   run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
+                                    self.tok, self.a, self.a_sh, self.lat)),
             Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
                    act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh),
                    _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
-                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.mask, self.we, self.lat,
+                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.list, self.tok, self.we, self.lat,
                                     self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh)),
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
                    _nbytes(w.up, self.r, w.norm, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,

@@ -25,8 +25,8 @@ def test_refuses_dense_layer():
 def test_refuses_bad_inputs(meta_weights):
     with pytest.raises(ValueError, match=r"\[tokens, 7168\]"):
         check_moe_input(meta_weights, torch.zeros(1, 7000, dtype=torch.bfloat16))
-    with pytest.raises(UnsupportedConfiguration, match="1..64"):
-        check_moe_input(meta_weights, torch.zeros(65, D, dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedConfiguration, match="1..512"):
+        check_moe_input(meta_weights, torch.zeros(513, D, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
         check_moe_input(meta_weights, torch.zeros(1, D, dtype=torch.float32))
     with pytest.raises(ValueError, match="CUDA device"):
@@ -86,7 +86,7 @@ def _check(w, x):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (2, 1), (8, 1), (17, 1), (64, 1), (1, 4), (1, 8), (2, 4),
-                                          (8, 8), (16, 4), (17, 3)])
+                                          (8, 8), (16, 4), (17, 3), (17, 4), (17, 8), (64, 4), (64, 8)])
 def test_fused_matches_reference_tp8(w8, batch, tokens):
     from kimi_decode.moe_bench import moe_input
     x = moe_input(batch * tokens, D, seed=batch * 100 + tokens, device="cuda")
@@ -154,25 +154,42 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     a(), b()
     torch.cuda.synchronize()
     assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
-    assert torch.equal(a.h, b.h)
+    _same_up_to_summation_order(a.h, b.h)
+
+
+def _same_up_to_summation_order(h, g):
+    """Equal but for the order in which moe_down's expert-split CTAs add into the fp32 latent partial
+    (`red.add`, in arrival order): at most one bf16 rounding step apart."""
+    assert torch.isfinite(h).all() and torch.isfinite(g).all()
+    torch.testing.assert_close(h.float(), g.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_variant_with_a_small_accumulator_refuses_many_tokens(w8):
+    """w4r16 keeps 64 latent rows per moe_down CTA: its 48 KB accumulator holds 192 tokens, not 512."""
+    from kimi_decode.moe_bench import moe_input
+    with pytest.raises(UnsupportedConfiguration, match="1..192"):
+        FusedMoE(w8, moe_input(256, D, seed=0, device="cuda"), variant="w4r2-w4r16e2s4")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 33])
 def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
     """With PDL each kernel starts while the previous one drains; what it reads from that one is read after
-    griddepcontrol.wait, so the results equal plain stream order bit for bit (eagerly and in a CUDA graph)."""
+    griddepcontrol.wait, so the results equal plain stream order (eagerly and in a CUDA graph), up to the
+    order of the expert-split partial sums."""
     from kimi_decode.bench import time_graph
     from kimi_decode.moe_bench import moe_input
     x = moe_input(tokens, D, seed=80 + tokens, device="cuda")
     a, b = FusedMoE(w8, x, pdl=True), FusedMoE(w8, x, pdl=False)
     a(), b()
     torch.cuda.synchronize()
-    assert torch.equal(a.ids, b.ids) and torch.equal(a.h, b.h)
+    assert torch.equal(a.ids, b.ids)
+    _same_up_to_summation_order(a.h, b.h)
     h_eager = a.h.clone()
     a.h.fill_(float("nan"))
     time_graph([a], replays=3)
-    assert torch.equal(a.h, h_eager)
+    _same_up_to_summation_order(a.h, h_eager)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
     1. moe_front   GEMV of x [M, d] against [router | latent down | shared gate/up] rows (fp32 out),
                    and in the CTA that finishes the router rows last: sigmoid, top-16 on s + bias,
-                   renormalised weights, and the expert-major tables (active experts, token masks).
+                   renormalised weights, and the expert-major tables (active experts, token lists).
     2. moe_up      for every active expert and every token routed to it: z·W1ᵀ, z·W3ᵀ with the
                    MXFP4 codes decoded in registers, SiTU → a [active expert, M, I]; plus the
                    shared SiTU, and zeroing the rank's latent accumulator.
@@ -14,7 +14,7 @@
                    from the same loads), plus the shared all-reduce read, stored bf16.
 
 Stock vLLM spends 15 launches on the same work (docs/stock_schedule.md). Each active
-expert's packed bytes are read once per step (expert-major loops, token masks).
+expert's packed bytes are read once per step (expert-major loops over token lists).
 All-reduces on one GPU are emulated as in the stock schedule: the kernel reads
 `tp` buffers (its own partial and the stand-ins of the peers') weighted by a
 runtime coefficient vector [1, 0, …]; the cross-rank wait is not emulated.
@@ -39,7 +39,8 @@ from .. import compile as kc
 from .gemv import CHUNK, VEC, default_tiling, gemv_partials, warp_sum
 from .mxfp4_decode import MAX_E8M0, decode_word, scale_pair
 
-MAX_M = 64  # tokens in a step (token masks are two 32-bit words)
+MAX_M = 512  # tokens in a step (batch 64 × 8 tokens per sequence)
+ACC_WORDS = 12288  # fp32 words of moe_down's per-CTA accumulator (48 KB): tokens ≤ ACC_WORDS / latent rows per CTA
 TOPK = 16
 E = 896
 L = 3584  # latent
@@ -134,7 +135,7 @@ def _situ(g, u, beta, beta_lin):
 
 def _routing_fakes(m):
     """Compile-time stand-ins of the routing tensors (bias, meta, ids, weights, expert-major weights, active
-    experts, token masks) and the stream, shared by the front and route kernels; m: the token count."""
+    experts, their (offset, count) lists, the grouped token ids) and the stream, shared by the front and route kernels; m: the token count."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -147,6 +148,7 @@ def _routing_fakes(m):
         fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
 
@@ -156,16 +158,17 @@ _ROUTE = None
 def route_tokens():
     """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
 
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING)
 
     One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers;
     the 16th largest key T is found exactly by a 32-step bitwise search (each step: count the keys
     ≥ a candidate with one `redux.sync`), so the cost does not grow with k and has no dependent
     arg-max chain. Keys > T and the lowest-index ties = T make the top 16; they are compacted through
     shared memory (`lst` [WARPS * 16, 2] Int32) and ordered by (key desc, index asc), as torch.topk
-    with lowest-index ties. Weights s / Σ s · scaling. Then the expert-major tables (active experts,
-    64-bit token masks) through shared memory (`masks` [E, 2] Int32, `flag` [2] Int32);
-    mMeta[0] = number of active experts.
+    with lowest-index ties. Weights s / Σ s · scaling. Then the expert-major tables, from per-expert
+    token counts in shared memory (`cnt` [E] Int32, `wtot` [WARPS] Int32) and one CTA scan: mMeta[0] =
+    number of active experts, mAct[j] the j-th active expert (ascending), mList[j] = (offset, count) of
+    its tokens in mTok [TOPK · M] (the (expert, token) pairs, grouped by expert).
     """
     global _ROUTE
     if _ROUTE is None:
@@ -198,19 +201,17 @@ def _make_route():
 
     @cute.jit
     def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-              mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, masks: cute.Tensor, lst: cute.Tensor,
-              flag: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr):
+              mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, cnt: cute.Tensor,
+              lst: cute.Tensor, wtot: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr):
         THREADS = 32 * WARPS
+        CH = -(-E // THREADS)
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         M = mIds.shape[0]
         lt = Int32(cute.arch.lanemask_lt())
         for e in cutlass.range(tid, E, THREADS):
-            masks[e, 0] = Int32(0)
-            masks[e, 1] = Int32(0)
-        if tid == 0:
-            flag[1] = Int32(0)
+            cnt[e] = Int32(0)
         cute.arch.barrier()
         for t in cutlass.range(warp, M, WARPS):
             ky = cute.make_rmem_tensor((NPL,), Int32)
@@ -267,20 +268,46 @@ def _make_route():
                 mIds[t, slot] = mine
                 mWts[t, slot] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
-                word = t // 32
-                cute.arch.atomic_or(masks.iterator + mine * 2 + word, Int32(1) << (t - word * 32))
+                cute.arch.atomic_add(cnt.iterator + mine, Int32(1))
         cute.arch.barrier()
-        for e in cutlass.range(tid, E, THREADS):
-            lo = masks[e, 0]
-            hi = masks[e, 1]
-            if (lo | hi) != 0:
-                j = cute.arch.atomic_add(flag.iterator + 1, Int32(1))
-                mAct[j] = e
-                mMask[j, 0] = lo
-                mMask[j, 1] = hi
+        # expert-major tables: one exclusive scan over the experts (in index order, so the active list is
+        # deterministic) of (tokens << 16 | active), each thread owning a contiguous run of CH experts
+        e0 = tid * CH
+        run = Int32(0)
+        for q in cutlass.range_constexpr(CH):
+            if e0 + q < E:
+                c = cnt[e0 + q]
+                run = run + (c << 16) + Int32(c > 0)
+        inc = run
+        for off in cutlass.range_constexpr(5):
+            o = cute.arch.shuffle_sync_up(inc, offset=1 << off)
+            if lane >= (1 << off):
+                inc = inc + o
+        if lane == 31:
+            wtot[warp] = inc
         cute.arch.barrier()
-        if tid == 0:
-            mMeta[0] = flag[1]
+        base = Int32(0)
+        for w_ in cutlass.range_constexpr(WARPS):
+            if w_ < warp:
+                base = base + wtot[w_]
+        pre = base + inc - run
+        for q in cutlass.range_constexpr(CH):
+            if e0 + q < E:
+                c = cnt[e0 + q]
+                if c > 0:
+                    j = pre & Int32(0xFFFF)
+                    mAct[j] = e0 + q
+                    mList[j, 0] = pre >> 16
+                    mList[j, 1] = c
+                    cnt[e0 + q] = pre >> 16  # from here on: the expert's next free place in mTok
+                pre = pre + (c << 16) + Int32(c > 0)
+        if tid == THREADS - 1:
+            mMeta[0] = pre & Int32(0xFFFF)
+        cute.arch.barrier()
+        for idx in cutlass.range(tid, M * TOPK, THREADS):  # token lists (order within an expert: arrival)
+            t = idx // TOPK
+            e = mIds[t, idx - t * TOPK]
+            mTok[cute.arch.atomic_add(cnt.iterator + e, Int32(1))] = t
 
     return route
 
@@ -306,7 +333,7 @@ def build_front(key: MoEFrontKey):
     @cute.kernel
     def front_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
                      mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
-                     mMask: cute.Tensor):
+                     mList: cute.Tensor, mTok: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -317,8 +344,9 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
+        wtot = smem.allocate_tensor(Int32, cute.make_layout((WARPS,)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
         gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
@@ -338,19 +366,19 @@ def build_front(key: MoEFrontKey):
                 cute.arch.barrier()
                 if flag[0] != 0:  # the last router CTA: every logit of the step is written
                     cute.arch.fence_acq_rel_gpu()
-                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS,
-                                   SCALING)
+                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot,
+                                   WARPS, SCALING)
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
 
     @cute.jit
     def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
                    mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
-                   mMask: cute.Tensor, stream):
+                   mList: cute.Tensor, mTok: cute.Tensor, stream):
         M = mX.shape[0]
-        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
+        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + 8 * E + 4 * WARPS * ROUTE_LIST_WORDS + 96, stream=stream)
+            smem=4 * WARPS * RM + 4 * E + 4 * WARPS * (ROUTE_LIST_WORDS + 1) + 128, stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -376,21 +404,21 @@ def build_route(key: MoERouteKey):
 
     @cute.kernel
     def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-                     mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor):
+                     mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
-        masks = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
-        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        wtot = smem.allocate_tensor(Int32, cute.make_layout((WARPS,)), byte_alignment=16)
         if const_expr(PDL):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask, masks, lst, flag, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING)
 
     @cute.jit
     def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-                   mWe: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, stream):
-        route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mMask).launch(
-            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=8 * E + 4 * WARPS * ROUTE_LIST_WORDS + 96,
+                   mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, stream):
+        route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
+            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=4 * E + 4 * WARPS * (ROUTE_LIST_WORDS + 1) + 128,
             stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -423,8 +451,8 @@ def build_up(key: MoEUpKey):
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                  mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mA: cute.Tensor, mAsh: cute.Tensor,
-                  mLat: cute.Tensor):
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                  mAsh: cute.Tensor, mLat: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -447,8 +475,8 @@ def build_up(key: MoEUpKey):
             nact = mMeta[0]
             if by < nact:
                 e = mAct[by]
-                lo = mMask[by, 0]
-                hi = mMask[by, 1]
+                off = mList[by, 0]
+                num = mList[by, 1]
                 gW1 = cute.zipped_divide(mW1, (1, 1, 2))
                 gW3 = cute.zipped_divide(mW3, (1, 1, 2))
                 gF = cute.zipped_divide(mF, (1, 4))
@@ -467,45 +495,39 @@ def build_up(key: MoEUpKey):
                         s1.append(scale_pair(Int32(mS1[e, i0 + r, v // 2])))
                         s3.append(scale_pair(Int32(mS3[e, i0 + r, v // 2])))
 
-                for wi in cutlass.range_constexpr(2):  # every token of the mask, lowest first
-                    word = lo
-                    if const_expr(wi == 1):
-                        word = hi
-                    while word != Int32(0):
-                        low = word & (Int32(0) - word)
-                        t = Int32(31 + 32 * wi) - cute.arch.clz(low)
-                        word = word ^ low
-                        h1 = cute.make_rmem_tensor((RPW,), Float32)
-                        h3 = cute.make_rmem_tensor((RPW,), Float32)
+                for i in cutlass.range(off, off + num):  # every (expert, token) pair of this expert
+                    t = mTok[i]
+                    h1 = cute.make_rmem_tensor((RPW,), Float32)
+                    h3 = cute.make_rmem_tensor((RPW,), Float32)
+                    for r in cutlass.range_constexpr(RPW):
+                        h1[r] = Float32(0.0)
+                        h3[r] = Float32(0.0)
+                    for j in cutlass.range_constexpr(NV):
+                        v = lane + 32 * j
+                        zq = []
+                        for q in cutlass.range_constexpr(4):
+                            zq.append(gF[(None, (t, (Z0 + 16 * v) // 4 + q))].load())
                         for r in cutlass.range_constexpr(RPW):
-                            h1[r] = Float32(0.0)
-                            h3[r] = Float32(0.0)
-                        for j in cutlass.range_constexpr(NV):
-                            v = lane + 32 * j
-                            zq = []
-                            for q in cutlass.range_constexpr(4):
-                                zq.append(gF[(None, (t, (Z0 + 16 * v) // 4 + q))].load())
-                            for r in cutlass.range_constexpr(RPW):
-                                n = r * NV + j
-                                for half in cutlass.range_constexpr(2):
-                                    c1 = decode(w1[n][half], s1[n])
-                                    c3 = decode(w3[n][half], s3[n])
-                                    for k in cutlass.range_constexpr(8):
-                                        zk = zq[half * 2 + k // 4][k % 4]
-                                        h1[r] = h1[r] + c1[k] * zk
-                                        h3[r] = h3[r] + c3[k] * zk
-                        for r in cutlass.range_constexpr(RPW):
-                            g = cute.arch.warp_reduction_sum(h1[r])
-                            u = cute.arch.warp_reduction_sum(h3[r])
-                            if lane == 0:
-                                mA[by, t, i0 + r] = _situ(g, u, BETA, BETA_LIN).to(BFloat16)
+                            n = r * NV + j
+                            for half in cutlass.range_constexpr(2):
+                                c1 = decode(w1[n][half], s1[n])
+                                c3 = decode(w3[n][half], s3[n])
+                                for k in cutlass.range_constexpr(8):
+                                    zk = zq[half * 2 + k // 4][k % 4]
+                                    h1[r] = h1[r] + c1[k] * zk
+                                    h3[r] = h3[r] + c3[k] * zk
+                    for r in cutlass.range_constexpr(RPW):
+                        g = cute.arch.warp_reduction_sum(h1[r])
+                        u = cute.arch.warp_reduction_sum(h3[r])
+                        if lane == 0:
+                            mA[i, i0 + r] = _situ(g, u, BETA, BETA_LIN).to(BFloat16)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                mMeta: cute.Tensor, mAct: cute.Tensor, mMask: cute.Tensor, mA: cute.Tensor, mAsh: cute.Tensor,
-                mLat: cute.Tensor, stream):
+                mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                mAsh: cute.Tensor, mLat: cute.Tensor, stream):
         M = mF.shape[0]
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mMask, mA, mAsh, mLat).launch(
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat).launch(
             grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -518,7 +540,8 @@ def build_up(key: MoEUpKey):
         fake(Int32, (4,), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (cute.sym_int(), m, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
+        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -527,6 +550,12 @@ def build_up(key: MoEUpKey):
 
 
 # --------------------------------------------------------------------------- 3. experts down + shared down
+
+
+def down_token_capacity(key: MoEDownKey) -> int:
+    """Tokens per step moe_down can hold: its per-CTA fp32 accumulator is [tokens, latent rows per CTA]
+    in at most 48 KB of shared memory."""
+    return min(MAX_M, ACC_WORDS // (key.warps * key.rows_per_warp))
 
 
 def build_down(key: MoEDownKey):
@@ -547,25 +576,26 @@ def build_down(key: MoEDownKey):
     GS = S // (8 * SH_VEC)  # lanes per shared-down row
     RPWS = 32 // GS
     RBS = WARPS * RPWS
+    ACC_M = down_token_capacity(key)
     assert (I // 16) % G == 0 and L % RB == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RBS == 0
     decode = decode_word()
 
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
-                    mMask: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                    mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
                     mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
-        M = mA.shape[1]
+        M = mLat.shape[1]
         if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
             cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
-        acc = smem.allocate_tensor(Float32, cute.make_layout((MAX_M, RB), stride=(RB, 1)), byte_alignment=16)
+        acc = smem.allocate_tensor(Float32, cute.make_layout((ACC_M, RB), stride=(RB, 1)), byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         if bx < NB:
-            for idx in cutlass.range(tid, MAX_M * RB, THREADS):
+            for idx in cutlass.range(tid, M * RB, THREADS):
                 acc[idx // RB, idx % RB] = Float32(0.0)
             cute.arch.barrier()
             grp = lane // G
@@ -573,20 +603,20 @@ def build_down(key: MoEDownKey):
             rloc = warp * RPW + grp
             row = bx * RB + rloc
             gW2 = cute.zipped_divide(mW2, (1, 1, 2))
-            gA = cute.zipped_divide(mA, (1, 1, 8))
+            gA = cute.zipped_divide(mA, (1, 8))
             nact = mMeta[0]
             for jb in cutlass.range(by * UE, nact, ES * UE):
                 ws = []
                 ss = []
                 es = []
-                los = []
-                his = []
+                offs = []
+                nums = []
                 for u in cutlass.range_constexpr(UE):
                     jj = cutlass.min(jb + u, nact - 1)
                     e = mAct[jj]
                     es.append(e)
-                    los.append(mMask[jj, 0])
-                    his.append(mMask[jj, 1])
+                    offs.append(mList[jj, 0])
+                    nums.append(mList[jj, 1])
                     for j in cutlass.range_constexpr(NVD):
                         v = gl + G * j
                         q2 = gW2[(None, (e, row, v))].load()
@@ -598,27 +628,21 @@ def build_down(key: MoEDownKey):
                     if jb + u < nact:
                         e = es[u]
 
-                        for wi in cutlass.range_constexpr(2):  # every token routed to e
-                            word = los[u]
-                            if const_expr(wi == 1):
-                                word = his[u]
-                            while word != Int32(0):
-                                low = word & (Int32(0) - word)
-                                t = Int32(31 + 32 * wi) - cute.arch.clz(low)
-                                word = word ^ low
-                                p = Float32(0.0)
-                                for j in cutlass.range_constexpr(NVD):
-                                    v = gl + G * j
-                                    n = u * NVD + j
-                                    for half in cutlass.range_constexpr(2):
-                                        av = gA[(None, (jb + u, t, 2 * v + half))].load().to(Float32)
-                                        cw = decode(ws[n][half], ss[n])
-                                        for k in cutlass.range_constexpr(8):
-                                            p = p + cw[k] * av[k]
-                                for off in cutlass.range_constexpr(G.bit_length() - 1):
-                                    p = p + cute.arch.shuffle_sync_bfly(p, offset=G >> (off + 1))
-                                if gl == 0:
-                                    acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
+                        for i in cutlass.range(offs[u], offs[u] + nums[u]):  # every token routed to e
+                            t = mTok[i]
+                            p = Float32(0.0)
+                            for j in cutlass.range_constexpr(NVD):
+                                v = gl + G * j
+                                n = u * NVD + j
+                                for half in cutlass.range_constexpr(2):
+                                    av = gA[(None, (i, 2 * v + half))].load().to(Float32)
+                                    cw = decode(ws[n][half], ss[n])
+                                    for k in cutlass.range_constexpr(8):
+                                        p = p + cw[k] * av[k]
+                            for off in cutlass.range_constexpr(G.bit_length() - 1):
+                                p = p + cute.arch.shuffle_sync_bfly(p, offset=G >> (off + 1))
+                            if gl == 0:
+                                acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
             if const_expr(PDL):  # (a CTA without experts) the partial moe_up zeroed is added to after this
                 cute.arch.griddepcontrol_wait()
             cute.arch.barrier()
@@ -667,21 +691,22 @@ def build_down(key: MoEDownKey):
 
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
-                  mMask: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                  mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
                   mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
-        down_kernel(mA, mW2, mS2, mMeta, mAct, mMask, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
-            grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * MAX_M * RB + 64, stream=stream,
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
+            grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * ACC_M * RB + 64, stream=stream,
             use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
     args = (
-        fake(BFloat16, (cute.sym_int(), m, I), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
         fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
         fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
         fake(Int32, (4,), assumed_align=16),
         fake(Int32, (E,), assumed_align=16),
         fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
         fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
         fake(Float32, (TP,), assumed_align=16),
