@@ -110,7 +110,16 @@ def _add_run_args(p, tokens_help: str) -> None:
 
 
 def _cmd_moe(args) -> int:
-    from .moe_bench import run_moe_sweep
+    from .moe_bench import run_moe_breakdown, run_moe_sweep
+
+    if args.breakdown:
+        if len(_ints(args.tps)) != 1:
+            raise SystemExit("--breakdown takes one --tps value")
+        df = run_moe_breakdown(args.executors.split(","), _ints(args.tps)[0], _ints(args.batches),
+                               replays=args.replays, out_csv=args.out)
+        print(df[["executor", "batch", "launch", "label", "prefix_us", "added_us", "GBps_of_added"]]
+              .to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        return 0 if bool(df.check_ok.all()) else 1
 
     df = run_moe_sweep(args.executors.split(","), _ints(args.tps), _ints(args.batches), _ints(args.tokens),
                        replays=args.replays, out_csv=args.out, timed=not args.check_only,
@@ -224,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p, "tokens per sequence, e.g. 1 or 1,4,8 (2..8 = speculative verify)")
     p.set_defaults(func=_cmd_sweep)
 
-    p = sub.add_parser("moe", help="check and time the MoE half: stock (15 launches) vs fused (4) (GPU)",
+    p = sub.add_parser("moe", help="check and time the MoE half: stock (15 launches) vs fused (4-5) (GPU)",
                        description="For each TP, batch and tokens per sequence: run the MoE half of a layer with each "
                                    "executor on a fresh input, compare with the fp32 reference (NaN-poisoned outputs), "
                                    "then time it under CUDA graphs (weights rotated through L2) and report the floor "
@@ -232,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executors", default="stock,fused")
     p.add_argument("--tps", default="8")
     p.add_argument("--batches", default="1,8,64")
-    _add_run_args(p, "tokens per sequence, e.g. 1,4,8 (batch x tokens <= 64 fused)")
+    _add_run_args(p, "tokens per sequence, e.g. 1,4,8 (batch x tokens <= 512 fused)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time the graph of each executor's first k launches, k = 1..n: what each launch adds "
+                        "inside the graph (one --tps; tokens per sequence 1)")
     p.set_defaults(func=_cmd_moe)
 
     p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")

@@ -133,6 +133,65 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
     return df
 
 
+class _LaunchPrefix:
+    """The first `k` launches of an executor, as an executor (for the in-graph breakdown)."""
+
+    def __init__(self, ex, k: int):
+        self.ex, self.k = ex, k
+
+    def launches(self):
+        return self.ex.launches()[: self.k]
+
+    def __call__(self) -> None:
+        for launch in self.launches():
+            launch.run()
+
+
+def run_moe_breakdown(executors: Iterable[str] = ("fused",), tp: int = 8, batches: Iterable[int] = (1,),
+                      replays: int = 200, out_csv: str | Path | None = None, seed: int = 0) -> pd.DataFrame:
+    """Where the time goes inside the CUDA graph: for k = 1..n, time the graph of every layer copy's first
+    k launches (L2 rotated as in the sweep); a launch's cost is the median's growth when it is added, which
+    counts its overlap with its neighbours (programmatic dependent launch) and the gaps between launches,
+    unlike a profiler that runs each kernel alone with cold caches."""
+    from .bench import measure_copy_bandwidth, provenance, time_graph
+    from .sweeps import choose_copies, weight_copy
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the breakdown needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+    shard = ShardSpec(tp=tp)
+    w = make_layer_weights("kda_moe", shard, seed=seed).to("cuda")
+    copy_bw = measure_copy_bandwidth()
+    prov = provenance()
+    rows = []
+    copies_w = None
+    for b in batches:
+        for name in executors:
+            make = make_moe_executor(name)
+            check = check_moe(make, w, moe_input(b, shard.cfg.hidden_size, seed + 31 * b + tp, "cuda"))
+            streamed = moe_streamed_bytes(shard, check["active_experts"], b)
+            copies = choose_copies(streamed)
+            if copies_w is None or len(copies_w) < copies:
+                copies_w = [w] + [weight_copy(w, i) for i in range(1, copies)]
+            execs = [make(copies_w[i], moe_input(b, shard.cfg.hidden_size, seed + i, "cuda")) for i in range(copies)]
+            prev = 0.0
+            launches = execs[0].launches()
+            for k in range(1, len(launches) + 1):
+                t = time_graph([_LaunchPrefix(e, k) for e in execs], replays=replays)
+                lc = launches[k - 1]
+                moved = lc.bytes_read + lc.bytes_written
+                rows.append({"executor": name, "tp": tp, "batch": b, "launch": k, "label": lc.label,
+                             "prefix_us": t.us_median, "prefix_p10": t.us_p10, "prefix_p90": t.us_p90,
+                             "added_us": t.us_median - prev, "bytes_moved": moved,
+                             "GBps_of_added": moved / max(t.us_median - prev, 1e-3) / 1e3,
+                             "kernels_in_prefix": t.kernels_per_layer, "copies": copies,
+                             "check_ok": check["check_ok"], "copy_bw_GBps": copy_bw / 1e9, **prov})
+                prev = t.us_median
+                if out_csv:
+                    pd.DataFrame(rows).to_csv(out_csv, index=False)
+            del execs
+    return pd.DataFrame(rows)
+
+
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
     """Stock µs over fused µs for each (tp, batch, tokens) measured by both."""
     if "us_median" not in df or not {"stock", "fused"} <= set(df.executor):

@@ -276,3 +276,38 @@ def test_config_sizes_match_the_kernels():
     cfg = KimiK3Config()
     assert (km.E, km.L, km.D, km.TOPK) == (cfg.num_experts, cfg.routed_expert_hidden_size, cfg.hidden_size,
                                            cfg.num_experts_per_token)
+
+
+def test_launch_prefix_runs_the_first_k_launches():
+    """The in-graph breakdown times executors cut after their k-th launch."""
+    from kimi_decode.moe_bench import _LaunchPrefix
+    from kimi_decode.stock.launch import Launch
+
+    ran = []
+
+    class Ex:
+        def launches(self):
+            return [Launch(f"l{i}", "op", "k", 1, 1, 0, run=lambda i=i: ran.append(i)) for i in range(4)]
+
+    p = _LaunchPrefix(Ex(), 2)
+    p()
+    assert ran == [0, 1] and [l.label for l in p.launches()] == ["l0", "l1"]
+
+
+def test_moe_executor_names():
+    from kimi_decode.moe_bench import make_moe_executor
+    for name in ("stock", "fused", "fused5", "fused-nopdl", "fused@w4r2-w4r4e2s8"):
+        assert callable(make_moe_executor(name))
+    with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):
+        make_moe_executor("fused@fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        make_moe_executor("marlin")
+
+
+@pytest.mark.gpu
+def test_breakdown_adds_up_to_the_whole_graph(w8):
+    from kimi_decode.moe_bench import run_moe_breakdown
+    df = run_moe_breakdown(["fused"], 8, [1], replays=20)
+    assert list(df.launch) == [1, 2, 3, 4] and df.check_ok.all()
+    assert abs(df.added_us.sum() - df.prefix_us.iloc[-1]) < 1e-6
+    assert (df.prefix_us > 0).all()
