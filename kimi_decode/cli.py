@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and save profiles/<executor>/<layer>-tp<T>-b<B>[-ctx<C>]/ with the report, a "
                                    "CSV summary and provenance.")
     p.add_argument("--executor", default="stock", choices=list(EXECUTORS),
-                   help="stock, compile: a whole layer; stock-moe, fused-moe: the MoE half only")
+                   help="stock, compile: a whole layer; stock-moe, fused-moe, fused5-moe: the MoE half only; "
+                        "cute-kernels: the layer's stand-alone CuTe kernels (AttnRes, decode GEMVs)")
     p.add_argument("--layer", required=True, choices=LAYER_KINDS)
     p.add_argument("--tp", type=int, default=8)
     _add_shape_args(p, context_default=8192)

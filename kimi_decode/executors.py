@@ -2,12 +2,13 @@
 
 'stock' and 'compile' run a whole layer; 'stock-moe' and 'fused-moe' run only the MoE
 half of an MoE layer (the stock schedule's 15 launches, or the fused 4), on a fresh
-input of the step's token count.
+input of the step's token count; 'cute-kernels' runs the layer's stand-alone CuTe DSL
+kernels (its AttnRes launches and the decode GEMVs) for the profiler.
 """
 
 from __future__ import annotations
 
-EXECUTORS = ("stock", "compile", "stock-moe", "fused-moe", "fused5-moe")
+EXECUTORS = ("stock", "compile", "stock-moe", "fused-moe", "fused5-moe", "cute-kernels")
 
 
 def make_executor(name: str):
@@ -23,4 +24,7 @@ def make_executor(name: str):
         make = make_moe_executor(name.split("-")[0])
         return lambda w, st: make(w, moe_input(st.shape.num_tokens, w.cfg.hidden_size, seed=0,
                                                 device=st.carry.p.device))
+    if name == "cute-kernels":
+        from .cute_kernels import CuteKernelSet
+        return CuteKernelSet
     raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")

@@ -311,3 +311,38 @@ def test_breakdown_adds_up_to_the_whole_graph(w8):
     assert list(df.launch) == [1, 2, 3, 4] and df.check_ok.all()
     assert abs(df.added_us.sum() - df.prefix_us.iloc[-1]) < 1e-6
     assert (df.prefix_us > 0).all()
+
+
+def test_cute_kernel_set_refuses_a_cpu_state(tiny_cfg):
+    from kimi_decode.config import DecodeShape
+    from kimi_decode.cute_kernels import CuteKernelSet
+    from kimi_decode.executors import EXECUTORS, make_executor
+    from kimi_decode.state import make_decode_state
+    assert "cute-kernels" in EXECUTORS and make_executor("cute-kernels") is CuteKernelSet
+    sh = ShardSpec(tp=2, cfg=tiny_cfg)
+    w = make_layer_weights("kda_moe", sh, seed=1)
+    with pytest.raises(ValueError, match="CUDA device"):
+        CuteKernelSet(w, make_decode_state("kda_moe", sh, DecodeShape(1, 1, 5), seed=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_cute_kernel_set_matches_torch(batch):
+    """Every launch of the profiler's CuTe kernel set computes: the GEMVs against torch.mm in fp32."""
+    from kimi_decode.config import DecodeShape
+    from kimi_decode.cute_kernels import CuteKernelSet
+    from kimi_decode.state import make_decode_state
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    sh = ShardSpec(tp=8)
+    w = make_layer_weights("kda_moe", sh, seed=2).to("cuda")
+    ks = CuteKernelSet(w, make_decode_state("kda_moe", sh, DecodeShape(batch, 1, 64), seed=2, device="cuda"))
+    for x, wt, out in ks.gemv_operands:
+        out.fill_(float("nan"))
+    ks()
+    torch.cuda.synchronize()
+    assert len(ks.launches()) == 8
+    assert torch.isfinite(ks.y_attn).all() and torch.isfinite(ks.y_mlp).all()
+    for x, wt, out in ks.gemv_operands:
+        ref = x.float() @ wt.float().t()
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
