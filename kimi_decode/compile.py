@@ -234,6 +234,43 @@ def ptx_text(key) -> str:
         return Path(ptx).read_text()
 
 
+def _cuobjdump() -> str:
+    """cuobjdump from PATH, or the one Triton ships (Triton is a dependency of the test environment)."""
+    import shutil
+
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    try:
+        import triton
+        exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if exe.is_file():
+            return str(exe)
+    except ImportError:
+        pass
+    raise RuntimeError("cuobjdump not found: put the CUDA toolkit's bin on PATH or install triton")
+
+
+def resource_usage(key) -> dict[str, int]:
+    """Compile `key` to a cubin (no GPU needed) and read its kernel's resources with `cuobjdump -res-usage`:
+    registers per thread (REG), stack frame and local memory bytes (STACK, LOCAL: non-zero means spills),
+    static shared memory (SHARED)."""
+    import re
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="kd_cubin_") as tmp:
+        compile_key(key, dump_dir=tmp, keep=("cubin",))
+        cubins = sorted(Path(tmp).glob("*.cubin"))
+        if not cubins:
+            raise RuntimeError(f"the compiler wrote no cubin for {key}")
+        out = subprocess.run([_cuobjdump(), "-res-usage", str(cubins[0])], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"no resource line in cuobjdump's output for {key}: {out[:300]!r}")
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
+
+
 def runtime_libraries() -> list[str]:
     """libcute_dsl_runtime.so and libtvm_ffi.so of the installed toolchain (compile machine)."""
     from cutlass.cute.runtime import find_runtime_libraries

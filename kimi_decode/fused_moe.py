@@ -63,7 +63,7 @@ class FusedMoE:
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
                  separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True):
-        """separate_routing: route in a fifth launch (one CTA of 32 warps, one warp per token) instead of in
+        """separate_routing: route in a fifth launch (one CTA of 16 warps, one warp per token) instead of in
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
         variant: the experts kernels' launch shape, e.g. 'w4r2-w4r4e4s4' (`kernels.moe.parse_variant`);

@@ -368,8 +368,9 @@ def saved_profiles(root: Path | None = None) -> pd.DataFrame:
 
 
 def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
-            root: Path | None = None) -> pd.DataFrame:
-    """Profile one decode step of `req` on this GPU; returns (and by default saves) the frame."""
+            root: Path | None = None, graph: bool = True) -> pd.DataFrame:
+    """Profile one decode step of `req` on this GPU; returns (and by default saves) the frame. With `graph`,
+    the saved provenance also holds the step's CUDA-graph time measured right after (`graph_time`)."""
     from .bench import provenance
 
     req.check()
@@ -396,8 +397,39 @@ def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
         prov = provenance()
         prov.update(request=asdict(req), backend=chosen, ncu=".".join(map(str, ncu_version() or ())),
                     command=" ".join(cmd) if cmd else "nsight-python in-process")
+        if graph:
+            t = graph_time(req)
+            prov.update(graph_us_median=t.us_median, graph_us_p10=t.us_p10, graph_us_p90=t.us_p90,
+                        graph_copies=t.copies, graph_kernels_per_step=t.kernels_per_layer)
         save_profile(df, folder, prov)
     return df
+
+
+def graph_time(req: ProfileRequest, replays: int = 100):
+    """The same step timed as the benchmarks time it (CUDA graph of several weight copies, so nothing is
+    L2-hot; median of replays), in the profiling run itself: the profile's kernel sum is compared with this
+    (`measured.profile_vs_graph`), same code, same machine, same hour."""
+    import torch
+
+    from .bench import time_graph
+    from .config import DecodeShape, ShardSpec
+    from .executors import make_executor
+    from .state import make_decode_state
+    from .sweeps import choose_copies, weight_copy
+    from .weights import make_layer_weights
+
+    shard = ShardSpec(tp=req.tp)
+    shape = DecodeShape(req.batch, req.tokens, req.context)
+    w = make_layer_weights(req.layer, shard, seed=req.seed).to("cuda")
+    streamed = sum(t.numel() * t.element_size() for part in w.parts().values() for t in part.tensors().values())
+    make = make_executor(req.executor)
+    execs = [make(weight_copy(w, i) if i else w, make_decode_state(req.layer, shard, shape, seed=req.seed + i,
+                                                                     device="cuda"))
+             for i in range(choose_copies(streamed))]
+    t = time_graph(execs, replays=replays)
+    del execs, w
+    torch.cuda.empty_cache()
+    return t
 
 
 def _profile_nsight_python(req: ProfileRequest, metrics: list[str]) -> list[dict]:

@@ -33,14 +33,16 @@ stage_cmd() {
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
     moe-bench) echo "$KD moe --executors stock,fused,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
     moe-tune) echo "$KD moe --executors fused,fused5,fused@w4r1-w4r4e4s4,fused@w8r1-w4r4e4s4,fused@w8r2-w4r4e4s4,fused@w4r2-w4r4e2s8,fused@w4r2-w4r8e4s4,fused@w4r2-w4r8e2s8,fused@w4r2-w8r4e4s4,fused@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
-    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-nopdl --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
+    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused5,fused-nopdl --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8,17,64 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
+    profile-fused) echo "for b in 1 8 64; do $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done; for b in 1 8; do $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
     nccl-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers kda_moe,dense --batches 1 --out $M/multi_gpu_dryrun_h200.csv" ;;
     compile-tp8-mla) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --no-progress --out $M/compile_h200_tp8_mla.csv" ;;
+    compile-tp8-mla-b64-32k) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --batches 64 --contexts 32768 --no-progress --out $M/compile_h200_tp8_mla_b64_32k.csv" ;;
     compile-tp8-min) echo "$KD sweep --executor compile --tps 8 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp8.csv" ;;
     profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
     profile-cute) echo "for b in 1 64; do $KD profile --executor cute-kernels --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;

@@ -263,7 +263,11 @@ def test_moe_kernels_compile_for_sm90a(compiler, name):
     assert ".target sm_90a" in ptx
     for needle in kc.registry()[name].ptx_checks:
         assert needle in ptx, f"{name}: PTX lacks {needle!r}"
-    assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local-memory spills"
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: local memory in the PTX"
+    # ptxas can still spill: a loop-invariant decode hoisted out of moe_up's token loop once left 448 decoded
+    # weights live, and the kernel ran at 32 registers with a 2.4 KB stack frame, 11x slower on the H200
+    res = kc.resource_usage(key)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, f"{name}: register spills {res}"
     if name in ("moe_front", "moe_route"):
         assert ptx.count("redux.sync.add") >= 32, "routing must use the 32-step bitwise top-k search"
     # programmatic dependent launch: the front lets the next launch start; the dependents wait before reading

@@ -82,10 +82,11 @@ class MoEFrontKey:
 
 @dataclass(frozen=True)
 class MoERouteKey:
-    """Routing as its own launch: one CTA of `warps` warps, one warp per token."""
+    """Routing as its own launch: one CTA of `warps` warps, one warp per token (16 warps: 128 registers a
+    thread, no spills; 32 would cap them at 64)."""
 
     shape: MoEShape
-    warps: int = 32
+    warps: int = 16
     pdl: bool = True  # programmatic dependent launch (see PDL below)
     arch: str = "sm_90a"
 

@@ -63,7 +63,9 @@ def _make_decode():
             [Int32(q).ir_value(loc=loc, ip=ip), Int32(scale_pair).ir_value(loc=loc, ip=ip)],
             asm,
             "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            has_side_effects=False,
+            # marked as having side effects so that the compiler keeps each decode next to its use: hoisted out
+            # of a token loop, all of a CTA's decoded weights (8 fp32 per word) would be live at once and spill
+            has_side_effects=True,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
             loc=loc,
