@@ -271,6 +271,19 @@ def resource_usage(key) -> dict[str, int]:
     return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
 
 
+def sass_text(key) -> str:
+    """Compile `key` to a cubin and return its SASS (`cuobjdump -sass`): what ptxas made of the PTX."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="kd_cubin_") as tmp:
+        compile_key(key, dump_dir=tmp, keep=("cubin",))
+        cubins = sorted(Path(tmp).glob("*.cubin"))
+        if not cubins:
+            raise RuntimeError(f"the compiler wrote no cubin for {key}")
+        return subprocess.run([_cuobjdump(), "-sass", str(cubins[0])], capture_output=True, text=True,
+                              check=True).stdout
+
+
 def runtime_libraries() -> list[str]:
     """libcute_dsl_runtime.so and libtvm_ffi.so of the installed toolchain (compile machine)."""
     from cutlass.cute.runtime import find_runtime_libraries
