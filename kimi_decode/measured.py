@@ -61,6 +61,8 @@ RESULT_COLUMNS = {
               "routing_flips", "active_experts"],
     "moe": ["executor", "tp", "batch", "tokens_per_seq", "us_median", "us_p10", "us_p90", "kernels_measured",
             "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
+    "breakdown": ["executor", "batch", "launch", "label", "prefix_us", "prefix_p10", "prefix_p90", "added_us",
+                  "GBps_of_added"],
 }
 
 
@@ -68,7 +70,10 @@ def results_markdown(name: str, kind: str | None = None) -> str:
     """The docs table of a measured CSV (`kimi-decode results NAME`), with its provenance line."""
     df = load(name)
     if kind is None:
-        kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
+        if "prefix_us" in df.columns:
+            kind = "breakdown"
+        else:
+            kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
     digits = 4 if kind == "check" else 1
     return markdown_table(df, RESULT_COLUMNS[kind], digits=digits) + f"\n\nMeasured: {provenance_summary(df)}."
 

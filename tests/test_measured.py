@@ -52,3 +52,9 @@ def test_saved_profiles_agree_with_graph_replay_within_the_documented_overhead()
     assert len(df) >= 9 and {"stock", "stock-moe", "fused-moe"} <= set(df.executor)
     lo, hi = PROFILE_OVERHEAD_BOUNDS
     assert df.ratio.between(lo, hi).all(), df
+
+
+def test_breakdown_csv_prints_its_own_columns():
+    from kimi_decode.measured import results_markdown
+    md = results_markdown("moe_breakdown_h200_tp8")
+    assert md.startswith("| executor | batch | launch | label | prefix_us |") and "moe.front" in md
