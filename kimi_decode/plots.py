@@ -258,52 +258,71 @@ def plot_profile_bandwidth(df, copy_bw: float = H200_COPY_BANDWIDTH, ax=None, ti
     return ax
 
 
+def _stacked_launch_bars(segments: dict, ax, xlabel: str, title: str, unit: str, units: str):
+    """One stacked horizontal bar per name: `segments[name]` = [(launch label, µs), ...] in launch order,
+    segments numbered (and named, for bars of a few launches), each bar ending with its count of `units`
+    (e.g. "kernels", "launches") and total µs."""
+    from matplotlib.patches import Patch
+
+    names = list(segments)
+    cmap = plt.get_cmap("tab20")
+    totals = [sum(u for _, u in segments[n]) for n in names]
+    span = max(totals) if totals and max(totals) > 0 else 1.0
+    for i, name in enumerate(names):
+        left = 0.0
+        for j, (_, u) in enumerate(segments[name]):
+            ax.barh(i, u, left=left, color=cmap(j % 20), edgecolor="white", linewidth=0.6, height=0.6)
+            if u > 0.035 * span:  # launch numbers (and short names) inside segments wide enough to hold them
+                label = segments[name][j][0].split(".")[-1]
+                text = f"{j + 1} {label}" if label and len(segments[name]) <= 6 and u > 0.09 * span else str(j + 1)
+                ax.text(left + u / 2, i, text, ha="center", va="center", fontsize=7, color="black")
+            left += u
+        ax.text(left, i, f"  {len(segments[name])} {units}, {left:,.1f} µs", va="center", fontsize=9)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, span * 1.35)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("executor")
+    ax.legend(handles=[Patch(facecolor=cmap(0), edgecolor="white"), Patch(facecolor="none", edgecolor="none")],
+              labels=[f"one segment = one {unit}\n(numbered, in\nlaunch order)",
+                      f"bar end: {units}\nand total µs"],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title)
+    ax.figure.tight_layout()
+    return ax
+
+
 def plot_profiles_side_by_side(frames: dict, ax=None, title: str | None = None):
     """One stacked horizontal bar per executor: its launches' durations (µs) end to end, in launch order.
 
     `frames` maps a name (e.g. 'stock-moe', 'fused-moe') to a profile frame; the end of each bar
     gives the executor's kernel count and its summed µs.
     """
-    from matplotlib.patches import Patch
-
     if not frames:
         raise ValueError("no profiles to compare: pass {name: profile frame}")
-    names = list(frames)
-    totals = []
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.6 + 0.7 * len(names)))
-    cmap = plt.get_cmap("tab20")
-    for i, name in enumerate(names):
-        df = frames[name]
-        us = _durations_us(df)
-        left = 0.0
-        for j, u in enumerate(us):
-            ax.barh(i, u, left=left, color=cmap(j % 20), edgecolor="white", linewidth=0.6, height=0.6)
-            left += u
-        totals.append(left)
-        ax.text(left, i, f"  {len(us)} kernels, {left:,.1f} µs", va="center", fontsize=9)
-    # launch numbers inside segments wide enough to hold them
-    span = max(totals) if max(totals) > 0 else 1.0
-    for i, name in enumerate(names):
-        df = frames[name]
-        us = _durations_us(df)
-        left = 0.0
-        for j, u in enumerate(us):
-            if u > 0.035 * span:
-                ax.text(left + u / 2, i, str(j + 1), ha="center", va="center", fontsize=7, color="black")
-            left += u
-    ax.set_yticks(range(len(names)), names)
-    ax.invert_yaxis()
-    ax.set_xlim(0, span * 1.35)
-    ax.set_xlabel("µs per step: per-kernel Nsight Compute durations summed (cold L2, clocks unlocked)")
-    ax.set_ylabel("executor")
-    ax.legend(handles=[Patch(facecolor=cmap(0), edgecolor="white"), Patch(facecolor="none", edgecolor="none")],
-              labels=["one segment = one kernel\nlaunch (numbered, in\nlaunch order)",
-                      "bar end: kernel count\nand summed µs"],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    ax.set_title(title or "Kernel launches per step, stacked: " + " vs ".join(names))
-    ax.figure.tight_layout()
-    return ax
+        _, ax = plt.subplots(figsize=(11, 1.6 + 0.7 * len(frames)))
+    segments = {name: [("", u) for u in _durations_us(df)] for name, df in frames.items()}
+    return _stacked_launch_bars(segments, ax, "µs per step: per-kernel Nsight Compute durations summed (cold L2, "
+                                "clocks unlocked)", title or "Kernel launches per step, stacked: " + " vs ".join(frames),
+                                "kernel", "kernels")
+
+
+def plot_graph_breakdown(df, batch: int = 1, ax=None, title: str | None = None):
+    """What each launch adds inside the CUDA graph (`kimi-decode moe --breakdown`, e.g. the CSV
+    `moe_breakdown_h200_tp8`): one stacked bar per executor, a segment per launch in launch order whose width
+    is the growth of the graph's median when that launch is added; the bar's end is the whole step."""
+    d = df[df.batch == batch]
+    if d.empty:
+        raise ValueError(f"no breakdown rows at batch {batch}; batches present: {sorted(set(df.batch))}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.6 + 0.7 * d.executor.nunique()))
+    segments = {name: [(r.label, r.added_us) for r in g.sort_values("launch").itertuples()]
+                for name, g in d.groupby("executor", sort=False)}
+    gpu = d.gpu.iloc[0] if "gpu" in d.columns else "GPU"
+    return _stacked_launch_bars(
+        segments, ax, "µs per step inside the CUDA graph (each segment: what adding that launch costs)",
+        title or f"Where the time goes in the graph, batch {batch}, TP{int(d.tp.iloc[0])}, {gpu}", "launch", "launches")
 
 
 def plot_executors_vs_batch(df, ax=None, title: str | None = None, part: str = "MoE half"):
