@@ -251,11 +251,8 @@ def _cuobjdump() -> str:
     raise RuntimeError("cuobjdump not found: put the CUDA toolkit's bin on PATH or install triton")
 
 
-def resource_usage(key) -> dict[str, int]:
-    """Compile `key` to a cubin (no GPU needed) and read its kernel's resources with `cuobjdump -res-usage`:
-    registers per thread (REG), stack frame and local memory bytes (STACK, LOCAL: non-zero means spills),
-    static shared memory (SHARED)."""
-    import re
+def _cuobjdump_of(key, flag: str) -> str:
+    """Compile `key` to a cubin (no GPU needed) and return `cuobjdump FLAG` of it."""
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="kd_cubin_") as tmp:
@@ -263,8 +260,17 @@ def resource_usage(key) -> dict[str, int]:
         cubins = sorted(Path(tmp).glob("*.cubin"))
         if not cubins:
             raise RuntimeError(f"the compiler wrote no cubin for {key}")
-        out = subprocess.run([_cuobjdump(), "-res-usage", str(cubins[0])], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([_cuobjdump(), flag, str(cubins[0])], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resource_usage(key) -> dict[str, int]:
+    """Compile `key` to a cubin (no GPU needed) and read its kernel's resources with `cuobjdump -res-usage`:
+    registers per thread (REG), stack frame and local memory bytes (STACK, LOCAL: non-zero means spills),
+    static shared memory (SHARED)."""
+    import re
+
+    out = _cuobjdump_of(key, "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if not m:
         raise RuntimeError(f"no resource line in cuobjdump's output for {key}: {out[:300]!r}")
@@ -273,15 +279,7 @@ def resource_usage(key) -> dict[str, int]:
 
 def sass_text(key) -> str:
     """Compile `key` to a cubin and return its SASS (`cuobjdump -sass`): what ptxas made of the PTX."""
-    import subprocess
-
-    with tempfile.TemporaryDirectory(prefix="kd_cubin_") as tmp:
-        compile_key(key, dump_dir=tmp, keep=("cubin",))
-        cubins = sorted(Path(tmp).glob("*.cubin"))
-        if not cubins:
-            raise RuntimeError(f"the compiler wrote no cubin for {key}")
-        return subprocess.run([_cuobjdump(), "-sass", str(cubins[0])], capture_output=True, text=True,
-                              check=True).stdout
+    return _cuobjdump_of(key, "-sass")
 
 
 def runtime_libraries() -> list[str]:

@@ -78,7 +78,7 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
     from tqdm.auto import tqdm
 
     from .bench import measure_copy_bandwidth, provenance, time_graph
-    from .sweeps import choose_copies, weight_copy
+    from .sweeps import choose_copies
 
     if not torch.cuda.is_available():
         raise RuntimeError("the MoE sweep needs a CUDA GPU; on a CPU machine read data/measured/ instead")
@@ -103,10 +103,7 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
                     if row["check_ok"] and timed:
                         streamed = moe_streamed_bytes(shard, row["active_experts"], N)
                         copies = choose_copies(streamed)
-                        if copies_w is None or len(copies_w) < copies:
-                            copies_w = [w] + [weight_copy(w, i) for i in range(1, copies)]
-                        execs = [make(copies_w[i], moe_input(N, shard.cfg.hidden_size, seed + i, "cuda"))
-                                 for i in range(copies)]
+                        copies_w, execs = _moe_copies(make, w, copies_w, copies, N, seed)
                         t = time_graph(execs, replays=replays)
                         row.update(us_median=t.us_median, us_p10=t.us_p10, us_p90=t.us_p90, replays=t.replays,
                                    copies=copies, kernels_measured=t.kernels_per_layer,
@@ -133,6 +130,17 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
     return df
 
 
+def _moe_copies(make, w: LayerWeights, copies_w: list | None, copies: int, tokens: int, seed: int):
+    """(weight copies, executors): `copies` MoE halves on distinct weights (the copies made so far are
+    reused and extended) with their own inputs, for a CUDA graph that streams them in turn."""
+    from .sweeps import weight_copy
+
+    if copies_w is None or len(copies_w) < copies:
+        copies_w = [w] + [weight_copy(w, i) for i in range(1, copies)]
+    d = w.cfg.hidden_size
+    return copies_w, [make(copies_w[i], moe_input(tokens, d, seed + i, "cuda")) for i in range(copies)]
+
+
 class _LaunchPrefix:
     """The first `k` launches of an executor, as an executor (for the in-graph breakdown)."""
 
@@ -154,7 +162,7 @@ def run_moe_breakdown(executors: Iterable[str] = ("fused",), tp: int = 8, batche
     counts its overlap with its neighbours (programmatic dependent launch) and the gaps between launches,
     unlike a profiler that runs each kernel alone with cold caches."""
     from .bench import measure_copy_bandwidth, provenance, time_graph
-    from .sweeps import choose_copies, weight_copy
+    from .sweeps import choose_copies
 
     if not torch.cuda.is_available():
         raise RuntimeError("the breakdown needs a CUDA GPU; on a CPU machine read data/measured/ instead")
@@ -168,17 +176,14 @@ def run_moe_breakdown(executors: Iterable[str] = ("fused",), tp: int = 8, batche
         for name in executors:
             make = make_moe_executor(name)
             check = check_moe(make, w, moe_input(b, shard.cfg.hidden_size, seed + 31 * b + tp, "cuda"))
-            streamed = moe_streamed_bytes(shard, check["active_experts"], b)
-            copies = choose_copies(streamed)
-            if copies_w is None or len(copies_w) < copies:
-                copies_w = [w] + [weight_copy(w, i) for i in range(1, copies)]
-            execs = [make(copies_w[i], moe_input(b, shard.cfg.hidden_size, seed + i, "cuda")) for i in range(copies)]
+            copies = choose_copies(moe_streamed_bytes(shard, check["active_experts"], b))
+            copies_w, execs = _moe_copies(make, w, copies_w, copies, b, seed)
             prev = 0.0
             launches = execs[0].launches()
             for k in range(1, len(launches) + 1):
                 t = time_graph([_LaunchPrefix(e, k) for e in execs], replays=replays)
                 lc = launches[k - 1]
-                moved = lc.bytes_read + lc.bytes_written
+                moved = lc.bytes
                 rows.append({"executor": name, "tp": tp, "batch": b, "launch": k, "label": lc.label,
                              "prefix_us": t.us_median, "prefix_p10": t.us_p10, "prefix_p90": t.us_p90,
                              "added_us": t.us_median - prev, "bytes_moved": moved,

@@ -414,18 +414,14 @@ def graph_time(req: ProfileRequest, replays: int = 100):
     from .bench import time_graph
     from .config import DecodeShape, ShardSpec
     from .executors import make_executor
-    from .state import make_decode_state
-    from .sweeps import choose_copies, weight_copy
+    from .sweeps import choose_copies, copies_of_step
     from .weights import make_layer_weights
 
     shard = ShardSpec(tp=req.tp)
     shape = DecodeShape(req.batch, req.tokens, req.context)
     w = make_layer_weights(req.layer, shard, seed=req.seed).to("cuda")
-    streamed = sum(t.numel() * t.element_size() for part in w.parts().values() for t in part.tensors().values())
-    make = make_executor(req.executor)
-    execs = [make(weight_copy(w, i) if i else w, make_decode_state(req.layer, shard, shape, seed=req.seed + i,
-                                                                     device="cuda"))
-             for i in range(choose_copies(streamed))]
+    execs = copies_of_step(make_executor(req.executor), req.layer, shard, shape, w, choose_copies(w.nbytes()),
+                           req.seed, "cuda")
     t = time_graph(execs, replays=replays)
     del execs, w
     torch.cuda.empty_cache()

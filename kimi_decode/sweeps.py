@@ -67,6 +67,15 @@ def check_against_reference(make_executor: Callable[[LayerWeights, DecodeState],
                         w.cfg)
 
 
+def copies_of_step(make_executor, kind: str, shard: ShardSpec, shape: DecodeShape, weights: LayerWeights,
+                   copies: int, seed: int, device) -> list:
+    """`copies` executors of one step, each on its own weights (`weight_copy`; the first the given ones)
+    and its own decode state, for a CUDA graph that streams them in turn (nothing L2-hot)."""
+    return [make_executor(weights if i == 0 else weight_copy(weights, i),
+                          make_decode_state(kind, shard, shape, seed=seed + i, device=device))
+            for i in range(copies)]
+
+
 def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor_name: str,
                  weights: LayerWeights, copy_bw: float, replays: int = 100, seed: int = 0,
                  timed: bool = True) -> dict:
@@ -81,10 +90,7 @@ def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor
         return row
     b0 = layer_bytes(kind, shard, shape)
     copies = choose_copies(b0.streamed)
-    execs = []
-    for i in range(copies):
-        wi = weights if i == 0 else weight_copy(weights, i)
-        execs.append(make_executor(wi, make_decode_state(kind, shard, shape, seed=seed + i, device=dev)))
+    execs = copies_of_step(make_executor, kind, shard, shape, weights, copies, seed, dev)
     timing = time_graph(execs, replays=replays)
     active = None
     routing = getattr(execs[0], "routing", None)

@@ -180,6 +180,22 @@ def route_tokens():
 ROUTE_LIST_WORDS = 2 * TOPK  # Int32 words of shared memory per routing warp (key, index) × 16
 
 
+def route_smem_bytes(warps: int) -> int:
+    """Shared memory the routing of a CTA of `warps` warps needs (`route_smem`), with alignment slack."""
+    return 4 * E + 4 * warps * (ROUTE_LIST_WORDS + 1) + 128
+
+
+def route_smem(smem, warps: int):
+    """(cnt, lst, wtot): the routing's shared-memory tensors, allocated from `smem` (traced in a kernel)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+    lst = smem.allocate_tensor(Int32, cute.make_layout((warps * ROUTE_LIST_WORDS,)), byte_alignment=16)
+    wtot = smem.allocate_tensor(Int32, cute.make_layout((warps,)), byte_alignment=16)
+    return cnt, lst, wtot
+
+
 def _order_key(f):
     """fp32 -> Int32 whose signed order is the float order (traced)."""
     from cutlass import Int32
@@ -195,7 +211,7 @@ def _order_key(f):
 def _make_route():
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Boolean, Constexpr, Float32, Int32
+    from cutlass import Constexpr, Float32, Int32
 
     NPL = E // 32
     INT_MIN = -(1 << 31)
@@ -329,7 +345,6 @@ def build_front(key: MoEFrontKey):
     R, WARPS, U = default_tiling(N, K, MT)
     RM = R * MT
     THREADS = 32 * WARPS
-    NPL = E // 32  # router scores per lane
     ROUTER_CTAS = E // R
     SCALING = sh.scaling
     ROUTE = key.route
@@ -340,8 +355,6 @@ def build_front(key: MoEFrontKey):
                      mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
                      mList: cute.Tensor, mTok: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
         _, gy, _ = cute.arch.grid_dim()
         row0 = bx * R
@@ -349,9 +362,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
-        lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
-        wtot = smem.allocate_tensor(Int32, cute.make_layout((WARPS,)), byte_alignment=16)
+        cnt, lst, wtot = route_smem(smem, WARPS)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
         gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
@@ -383,7 +394,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + 4 * E + 4 * WARPS * (ROUTE_LIST_WORDS + 1) + 128, stream=stream)
+            smem=4 * WARPS * RM + route_smem_bytes(WARPS), stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -400,7 +411,7 @@ def build_front(key: MoEFrontKey):
 def build_route(key: MoERouteKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
+    from cutlass import Float32
 
     from cutlass import const_expr
 
@@ -411,9 +422,7 @@ def build_route(key: MoERouteKey):
     def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                      mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
-        cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
-        lst = smem.allocate_tensor(Int32, cute.make_layout((WARPS * ROUTE_LIST_WORDS,)), byte_alignment=16)
-        wtot = smem.allocate_tensor(Int32, cute.make_layout((WARPS,)), byte_alignment=16)
+        cnt, lst, wtot = route_smem(smem, WARPS)
         if const_expr(PDL):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -423,7 +432,7 @@ def build_route(key: MoERouteKey):
     def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                    mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, stream):
         route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
-            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=4 * E + 4 * WARPS * (ROUTE_LIST_WORDS + 1) + 128,
+            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=route_smem_bytes(WARPS),
             stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
