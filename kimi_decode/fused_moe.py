@@ -21,6 +21,7 @@ from .stock.launch import Launch
 from .weights import LayerWeights
 
 MOE_KINDS = ("kda_moe", "mla_moe")
+EXPERT_KERNELS = ("pipe", "direct", "pipe-up")
 ROUTE_IN_FRONT_MAX = 8  # tokens routed by the front kernel's last router CTA (4 warps); more: a fifth launch
 
 
@@ -62,14 +63,19 @@ class FusedMoE:
     """One decode step of the MoE half (§6.3) on one rank in four launches (five above 8 tokens)."""
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
-                 separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True):
+                 separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True,
+                 experts: str = "pipe"):
         """separate_routing: route in a fifth launch (one CTA of 16 warps, one warp per token) instead of in
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
         variant: the experts kernels' launch shape, e.g. 'w4r2-w4r4e4s4' (`kernels.moe.parse_variant`);
         None: the defaults.
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
-        weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order."""
+        weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
+        experts: 'pipe' (the expert kernels of `kernels/moe_pipe.py`: persistent CTAs streaming the experts'
+        bytes through a bulk-copy ring; gate/up on tensor cores), 'direct' (`kernels/moe.py`: a CTA per
+        expert row block, codes loaded into registers; the launch-shape variants apply to these), or
+        'pipe-up' (the pipelined gate/up with the direct down)."""
         from . import compile as kc
         from .kernels import moe as km
 
@@ -85,11 +91,23 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
+        from .kernels import moe_pipe as kp
+        if experts not in EXPERT_KERNELS:
+            raise ValueError(f"experts must be one of {EXPERT_KERNELS}, got {experts!r}")
+        if variant and experts != "direct":
+            raise ValueError("launch-shape variants apply to the direct expert kernels: pass experts='direct'")
+        self.experts = experts
         up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
         up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
         down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
         self.variant = km.variant_name(up_key, down_key)
         cap = km.down_token_capacity(down_key)
+        if experts != "direct":
+            up_key = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch)
+            self.variant = experts
+        if experts == "pipe":
+            down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
+            cap = kp.down_pipe_capacity(down_key)
         if N > cap:
             from .support import UnsupportedConfiguration
             raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {self.variant}", N,

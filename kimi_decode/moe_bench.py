@@ -22,26 +22,31 @@ from .reference import Storage
 from .reference.moe import moe_block_one_rank
 from .weights import LayerWeights, make_layer_weights
 
-MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl")
+MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup")
 
 
 def make_moe_executor(name: str):
     """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (CuTe DSL: 4 launches
     with the routing in the front GEMV's last router CTA up to 8 tokens, 5 beyond) or 'fused5' (always 5:
     routing as its own launch), 'fused-nopdl' (as 'fused', each launch waiting for the previous one to
-    finish: no programmatic dependent launch). 'fused@w4r1-w4r8e2s8' (or 'fused5@…') picks a launch shape
-    of the expert kernels (`kernels.moe.parse_variant`) for tuning runs."""
+    finish: no programmatic dependent launch); these use the pipelined expert kernels (`kernels/moe_pipe.py`).
+    'fused-direct' is 'fused' with the first expert kernels (a CTA per expert row block, `kernels/moe.py`),
+    'fused-pipeup' the pipelined gate/up with the direct down. 'fused-direct@w4r1-w4r8e2s8' picks a launch
+    shape of the direct expert kernels (`kernels.moe.parse_variant`) for tuning runs."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
     base, _, variant = name.partition("@")
-    if base in ("fused", "fused5", "fused-nopdl"):
+    if base in ("fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup"):
         from .fused_moe import FusedMoE
         if variant:
+            if base != "fused-direct":
+                raise ValueError(f"launch-shape variants apply to fused-direct (the direct expert kernels), got {name!r}")
             from .kernels.moe import parse_variant
             parse_variant(variant)  # refuse a malformed name before any GPU work
+        experts = {"fused-direct": "direct", "fused-pipeup": "pipe-up"}.get(base, "pipe")
         return lambda w, x: FusedMoE(w, x, separate_routing=True if base == "fused5" else None,
-                                     variant=variant or None, pdl=base != "fused-nopdl")
+                                     variant=variant or None, pdl=base != "fused-nopdl", experts=experts)
     raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS} (optionally with @variant), got {name!r}")
 
 

@@ -31,9 +31,9 @@ stage_cmd() {
     compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
     compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
-    moe-bench) echo "$KD moe --executors stock,fused,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
-    moe-tune) echo "$KD moe --executors fused,fused5,fused@w4r1-w4r4e4s4,fused@w8r1-w4r4e4s4,fused@w8r2-w4r4e4s4,fused@w4r2-w4r4e2s8,fused@w4r2-w4r8e4s4,fused@w4r2-w4r8e2s8,fused@w4r2-w8r4e4s4,fused@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
-    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused5,fused-nopdl --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
+    moe-bench) echo "$KD moe --executors stock,fused,fused-direct,fused-pipeup,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
+    moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
+    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;

@@ -94,6 +94,18 @@ def test_fused_matches_reference_tp8(w8, batch, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["direct", "pipe-up"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (17, 4), (64, 8)])
+def test_other_expert_kernels_match_the_reference_tp8(w8, experts, batch, tokens):
+    """The first (direct) expert kernels and the pipelined gate/up with the direct down stay correct: they
+    are the comparison points of `kimi-decode moe` (fused-direct, fused-pipeup)."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch * tokens, D, seed=batch * 100 + tokens, device="cuda")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, experts=experts), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
+@pytest.mark.gpu
 def test_fused_every_token_on_the_same_experts(w8):
     from kimi_decode.moe_bench import moe_input
     x = moe_input(1, D, seed=7, device="cuda").repeat(12, 1)
@@ -169,7 +181,7 @@ def test_variant_with_a_small_accumulator_refuses_many_tokens(w8):
     """w4r16 keeps 64 latent rows per moe_down CTA: its 48 KB accumulator holds 192 tokens, not 512."""
     from kimi_decode.moe_bench import moe_input
     with pytest.raises(UnsupportedConfiguration, match="1..192"):
-        FusedMoE(w8, moe_input(256, D, seed=0, device="cuda"), variant="w4r2-w4r16e2s4")
+        FusedMoE(w8, moe_input(256, D, seed=0, device="cuda"), variant="w4r2-w4r16e2s4", experts="direct")
 
 
 @pytest.mark.gpu
@@ -222,7 +234,7 @@ def test_routing_ties_go_to_the_lowest_expert_index(w8, separate):
 def test_fused_tuning_variants_match_the_reference(w8, variant, batch):
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch, D, seed=60 + batch, device="cuda")
-    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant, experts="direct"), w8, x)
     assert r["all_written"] and r["check_ok"], r
 
 
@@ -250,15 +262,18 @@ def test_variant_names_parse_and_round_trip():
         assert km.MoEUpKey(s, warps=w, rows_per_warp=r) in km.UP.aot_keys("sm_90a")
 
 
-@pytest.mark.parametrize("name", ["moe_front", "moe_route", "moe_up", "moe_down", "moe_tail"])
+@pytest.mark.parametrize("name", ["moe_front", "moe_route", "moe_up", "moe_down", "moe_tail", "moe_up_pipe",
+                                  "moe_down_pipe"])
 def test_moe_kernels_compile_for_sm90a(compiler, name):
     """Each MoE kernel's TP8 default compiles for sm_90a with its instructions: routing by a bitwise search
     (redux.sync, no arg-max chain), the in-register MXFP4 decode (mul.rn.bf16x2), no local-memory spills."""
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
     key = {"moe_front": km.MoEFrontKey(s), "moe_route": km.MoERouteKey(s), "moe_up": km.MoEUpKey(s),
-           "moe_down": km.MoEDownKey(s), "moe_tail": km.MoETailKey(s)}[name]
+           "moe_down": km.MoEDownKey(s), "moe_tail": km.MoETailKey(s), "moe_up_pipe": kp.MoEUpPipeKey(s),
+           "moe_down_pipe": kp.MoEDownPipeKey(s)}[name]
     ptx = kc.ptx_text(key)
     assert ".target sm_90a" in ptx
     for needle in kc.registry()[name].ptx_checks:
@@ -273,6 +288,19 @@ def test_moe_kernels_compile_for_sm90a(compiler, name):
     # programmatic dependent launch: the front lets the next launch start; the dependents wait before reading
     assert ("griddepcontrol.wait" in ptx) == (name != "moe_front")
     assert ("griddepcontrol.launch_dependents" in ptx) == (name != "moe_tail")
+    if name.endswith("_pipe"):  # the persistent CTAs' shared memory (ring, accumulators) fits one per SM
+        size = kp.up_pipe_smem_bytes(key) if name == "moe_up_pipe" else kp.down_pipe_smem_bytes(key)
+        assert size + res["SHARED"] <= 227 * 1024, (name, size)
+
+
+@pytest.mark.parametrize("name", ["moe_up_pipe", "moe_down_pipe"])
+def test_pipelined_expert_kernels_compile_at_tp16_without_spills(compiler, name):
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.kernels.moe import shapes_for_tp
+    key = (kp.MoEUpPipeKey if name == "moe_up_pipe" else kp.down_pipe_key)(shapes_for_tp(16))
+    res = kc.resource_usage(key)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, f"{name} TP16: register spills {res}"
 
 
 @pytest.mark.parametrize("name", ["moe_front", "moe_route"])
@@ -317,10 +345,13 @@ def test_launch_prefix_runs_the_first_k_launches():
 
 def test_moe_executor_names():
     from kimi_decode.moe_bench import make_moe_executor
-    for name in ("stock", "fused", "fused5", "fused-nopdl", "fused@w4r2-w4r4e2s8"):
+    for name in ("stock", "fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup",
+                 "fused-direct@w4r2-w4r4e2s8"):
         assert callable(make_moe_executor(name))
     with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):
-        make_moe_executor("fused@fast")
+        make_moe_executor("fused-direct@fast")
+    with pytest.raises(ValueError, match="apply to fused-direct"):
+        make_moe_executor("fused@w4r2-w4r4e2s8")
     with pytest.raises(ValueError, match="must be one of"):
         make_moe_executor("marlin")
 

@@ -80,6 +80,46 @@ def _make_decode():
     return decode
 
 
+_PAIRS = None
+
+
+def decode_pairs():
+    """`@dsl_user_op` decode_pairs(q, scale_pair) -> [4 × Int32]: the 8 codes of q dequantised as bf16
+    pairs, pair k = (code k in the low half, code k + 4 in the high half): the A operand of a bf16
+    mma.sync straight from the decode (same arithmetic as `decode_word`, without the fp32 split)."""
+    global _PAIRS
+    if _PAIRS is None:
+        _PAIRS = _make_pairs()
+    return _PAIRS
+
+
+def _make_pairs():
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    # pair k: shift code k's nibble to bits 12..15 (its sign to bit 15; code k+4's to bit 31), then as decode_word
+    body = []
+    for k in range(4):
+        sh = 12 - 4 * k
+        body.append(f"shl.b32 t, q, {sh};" if sh else "mov.b32 t, q;")
+        body += ["and.b32 sg, t, 0x80008000;", "shr.b32 mg, t, 6;", "and.b32 mg, mg, 0x01C001C0;",
+                 "or.b32 pr, mg, sg;", f"mul.rn.bf16x2 ${k}, pr, sc;"]
+    asm = ("{\n.reg .b32 q, t, sg, mg, pr, sc;\nmov.b32 q, $4;\nmov.b32 sc, $5;\n" + "\n".join(body) + "\n}")
+
+    @dsl_user_op
+    def pairs(q, scale_pair, *, loc=None, ip=None):
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 4),
+            [Int32(q).ir_value(loc=loc, ip=ip), Int32(scale_pair).ir_value(loc=loc, ip=ip)],
+            asm, "=r,=r,=r,=r,r,r",
+            has_side_effects=True,  # kept next to its use (see decode_word)
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return [Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+
+    return pairs
+
+
 def scale_pair(s):
     """bf16x2 (2^(s-1), 2^(s-1)) as an Int32 from an E8M0 byte s (traced; s <= MAX_E8M0)."""
     from cutlass import Int32

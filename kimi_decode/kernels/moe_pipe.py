@@ -1,0 +1,496 @@
+"""The MoE half's expert kernels as persistent, bulk-copy pipelined CTAs (`kernels/moe.py` has the rest).
+
+Launches 2 and 3 of the fused MoE half (`docs/fused_moe.md`) read the active experts' MXFP4 bytes:
+23 MB (gate/up) and 12 MB (down) at TP8 batch 1. The first versions (`moe.MoEUpKey`, `moe.MoEDownKey`)
+gave every (expert, row block) its own CTA: each loads its codes into registers, waits, computes and
+exits, and the grid runs in two or three waves whose loads do not overlap the previous wave's
+arithmetic (17.8 and 24.4 µs inside the H200 graph against a 5.5 and 5.4 µs floor).
+
+Here one CTA per SM walks a list of work items (expert × row block). One thread streams each item's
+contiguous bytes (codes and scales) into a ring of `stages` shared-memory slots with `cp.async.bulk`,
+completing an mbarrier per slot; every warp computes from the slot, then the slot is refilled with
+the item `stages` ahead. So each SM keeps up to `stages` items of bytes in flight, independent of
+registers, and the arithmetic of one item overlaps the loads of the next ones.
+
+moe_up (MoEUpPipeKey): an item is 8 intermediate rows of one active expert. Its W1 and W3 rows form the
+16 rows of an mma.sync m16n8k16 A operand (rows 0..7 gate, 8..15 up), decoded from MXFP4 straight into
+bf16 pairs (`mxfp4_decode.decode_pairs`); up to 8 of the expert's tokens are the B columns (z in
+bf16). The warps split K (each a set of 128-code super-blocks) and meet in shared memory; the thread
+holding (gate, up) of a (row, token) applies SiTU. K is permuted inside every 32-code block so that one
+decoded word feeds the mma directly (the same permutation is applied to z): thread c of a quad holds
+words 4c..4c+3 of a 16-word super-block (one ld.shared.v4, one scale byte), and mma (b, s) of the
+super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
+"""
+
+from dataclasses import dataclass
+
+from .. import compile as kc
+from .moe import E, L, TOPK, MoEShape, _situ, shapes_for_tp
+
+RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
+SB = 128  # codes per super-block (16 words of a row)
+H200_SMS = 132
+
+
+@dataclass(frozen=True)
+class MoEUpPipeKey:
+    shape: MoEShape
+    warps: int = 14  # warps splitting K: L / 128 = 28 super-blocks per row, 28 / warps each
+    stages: int = 6  # ring slots (30464 B each at 8 rows)
+    ctas: int = H200_SMS  # persistent CTAs (one per SM)
+    pdl: bool = True
+    arch: str = "sm_90a"
+
+
+def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
+    stage = RB_UP * (L // 8) * 4 * 2 + RB_UP * (L // 32) * 2
+    return key.stages * stage + key.warps * 32 * 4 * 4 + 8 * key.stages + 256
+
+
+def build_up_pipe(key: MoEUpPipeKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+
+    from .mxfp4_decode import decode_pairs, scale_pair
+    from .ptx_ops import bulk_g2s, mma_bf16, pack_bf16x2
+
+    sh = key.shape
+    I, S = sh.inter, sh.shared
+    WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
+    THREADS = 32 * WARPS
+    NSB = L // SB
+    assert NSB % WARPS == 0 and I % RB_UP == 0
+    SBW = NSB // WARPS
+    WROW = L // 8  # int32 words (8 codes each) per row
+    SROW = L // 32  # scale bytes per row
+    NRB = I // RB_UP
+    W_BYTES = RB_UP * WROW * 4
+    S_BYTES = RB_UP * SROW
+    STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
+    assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
+    Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
+    pairs, bulk, mma, pack = decode_pairs(), bulk_g2s(), mma_bf16(), pack_bf16x2()
+
+    def issue(item, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base):
+        """(one thread, traced inline) stream item's W1/W3 rows and scales into ring slot `slot`"""
+        j = item // NRB
+        row = mAct[j] * I + (item - j * NRB) * RB_UP
+        bar = bars.iterator + slot
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, STAGE_BYTES)
+        b = bar.toint()
+        dw = w_base + slot * (2 * W_BYTES)
+        ds = s_base + slot * (2 * S_BYTES)
+        bulk(dw, mW1.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+        bulk(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+        bulk(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+        bulk(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+
+    @cute.kernel
+    def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                  mAsh: cute.Tensor, mLat: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        M = mF.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2, RB_UP, WROW), stride=(2 * RB_UP * WROW, RB_UP * WROW, WROW, 1)),
+                                      byte_alignment=128)
+        ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
+                                      byte_alignment=128)
+        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=16)
+        bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        if const_expr(PDL):  # everything reads the routing tables
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        nact = mMeta[0]
+        nitems = nact * NRB
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(bars.iterator + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        w_base = ring_w.iterator.toint()
+        s_base = ring_s.iterator.toint()
+
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                if bx + s * G < nitems:
+                    issue(bx + s * G, s, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+        # while the first items fly: the shared experts' SiTU and zeroing this rank's latent accumulator
+        for idx in cutlass.range(bx * THREADS + tid, M * S, G * THREADS):
+            t = idx // S
+            c = idx - t * S
+            mAsh[t, c] = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], BETA, BETA_LIN).to(BFloat16)
+        for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
+            t = idx // L
+            mLat[0, t, idx - t * L] = Float32(0.0)
+
+        g = lane // 4
+        c = lane - 4 * g
+        gW = cute.zipped_divide(ring_w, (1, 1, 1, 4))
+        gF = cute.zipped_divide(mF, (1, 4))
+        n = Int32(0)
+        for item in cutlass.range(bx, nitems, G):
+            slot = n % ST
+            cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+            j = item // NRB
+            i0 = (item - j * NRB) * RB_UP
+            off = mList[j, 0]
+            num = mList[j, 1]
+            for ch in cutlass.range(0, num, 8):
+                acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                t = mTok[off + cutlass.min(ch + g, num - 1)]  # this lane's B column (token); clamped
+                for q in cutlass.range_constexpr(SBW):
+                    sb = warp + WARPS * q
+                    zc = (Z0 + SB * sb + 32 * c) // 4
+                    zv = [gF[(None, (t, zc + u))].load() for u in range(8)]
+                    a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
+                    a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+                    sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
+                    sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+                    for bb in cutlass.range_constexpr(4):
+                        p1 = pairs(a1[bb], sc1)
+                        p3 = pairs(a3[bb], sc3)
+                        z8 = [zv[2 * bb][k] for k in range(4)] + [zv[2 * bb + 1][k] for k in range(4)]
+                        for s in cutlass.range_constexpr(2):
+                            b0 = pack(z8[s], z8[s + 4])
+                            b1 = pack(z8[s + 2], z8[s + 6])
+                            acc = mma([p1[s], p3[s], p1[s + 2], p3[s + 2]], [b0, b1], acc)
+                for r in cutlass.range_constexpr(4):
+                    red[warp, lane, r] = acc[r]
+                cute.arch.barrier()
+                if warp == 0:
+                    tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    for w_ in cutlass.range_constexpr(WARPS):
+                        for r in cutlass.range_constexpr(4):
+                            tot[r] = tot[r] + red[w_, lane, r]
+                    for x_ in cutlass.range_constexpr(2):
+                        tk = ch + 2 * c + x_
+                        if tk < num:
+                            mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+                cute.arch.barrier()
+            if tid == 0:  # every warp is done with the slot: refill it with the item ST rounds ahead
+                if item + ST * G < nitems:
+                    cute.arch.fence_view_async_shared()
+                    issue(item + ST * G, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            n = n + 1
+
+    @cute.jit
+    def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                mAsh: cute.Tensor, mLat: cute.Tensor, stream):
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    w = fake(Int32, (E, I, L // 8), stride_order=(2, 1, 0), assumed_align=16)
+    s = fake(Uint8, (E, I, L // 32), stride_order=(2, 1, 0), assumed_align=16)
+    args = (
+        fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
+        w, s, w, s,
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
+        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return up_host, args
+
+
+# --------------------------------------------------------------------------- moe_down
+
+
+RSH = 4  # shared-down rows per item (bf16 rows of 2·S bytes: 6144 B at TP8, 3072 at TP16)
+ACC_WORDS_PIPE = 16384  # fp32 words of the per-CTA latent accumulator [tokens, rows per item] (64 KB)
+
+
+@dataclass(frozen=True)
+class MoEDownPipeKey:
+    """moe_down with a ring: an expert item is `warps * rows_per_warp` latent rows of one active expert's W2
+    (rows_per_warp rows per warp, 32 / rows_per_warp lanes per row); a shared item is RSH rows of the shared
+    experts' down projection. Items are ordered (row block, expert), then the shared ones, and each CTA takes a
+    contiguous run, so it sums one row block over consecutive experts in shared memory and adds the sum into
+    the rank's latent partial (red.add) once per row block; the CTA that completes a row block's expert count
+    (an atomic counter) does its one-shot all-reduce read and stores r (bf16)."""
+
+    shape: MoEShape
+    warps: int = 8
+    rows_per_warp: int = 4
+    stages: int = 8
+    ctas: int = H200_SMS
+    pdl: bool = True
+    arch: str = "sm_90a"
+
+
+def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
+    """The default moe_down ring for a rank shape: at TP16 six slots (with eight, ptxas keeps an 8-byte
+    spill in the token loop)."""
+    if shape.tp == 16:
+        kw.setdefault("stages", 6)
+    return MoEDownPipeKey(shape, **kw)
+
+
+def down_pipe_capacity(key: MoEDownPipeKey) -> int:
+    from .moe import MAX_M
+
+    return min(MAX_M, ACC_WORDS_PIPE // (key.warps * key.rows_per_warp))
+
+
+def _down_pipe_sizes(key: MoEDownPipeKey):
+    I, S = key.shape.inter, key.shape.shared
+    RBD = key.warps * key.rows_per_warp
+    w_bytes = RBD * I // 2
+    s_bytes = RBD * I // 32
+    assert RSH * 2 * S <= w_bytes and w_bytes % 16 == 0 and s_bytes % 16 == 0 and (RSH * 2 * S) % 16 == 0
+    return RBD, w_bytes, s_bytes
+
+
+def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
+    RBD, w_bytes, s_bytes = _down_pipe_sizes(key)
+    return key.stages * (w_bytes + s_bytes) + 4 * down_pipe_capacity(key) * RBD + 8 * key.stages + 384
+
+
+def build_down_pipe(key: MoEDownPipeKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+
+    from .moe import D
+    from .mxfp4_decode import decode_word, scale_pair
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s
+
+    sh = key.shape
+    I, S, TP = sh.inter, sh.shared, sh.tp
+    WARPS, RPW, ST, G, PDL = key.warps, key.rows_per_warp, key.stages, key.ctas, key.pdl
+    THREADS = 32 * WARPS
+    RBD, W_BYTES, S_BYTES = _down_pipe_sizes(key)
+    WROW = I // 8  # words per W2 row
+    SROW = I // 32
+    GL = 32 // RPW  # lanes per W2 row
+    NVD = (I // 16) // GL  # 16-code vectors per lane
+    NBD = L // RBD
+    SH_WORDS = S // 2  # words per shared-down row
+    SH_VEC = 3  # 8-bf16 vectors per lane of a shared row
+    GS = S // (8 * SH_VEC)
+    RPWS = 32 // GS
+    NSH = D // RSH
+    ACC_M = down_pipe_capacity(key)
+    assert (I // 16) % GL == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
+    assert WARPS * RPWS >= RSH
+    decode, bulk, unpack = decode_word(), bulk_g2s(), bf16x2_to_f32()
+
+    @cute.jit
+    def issue(k: Int32, slot: Int32, ne: Int32, nact: Int32, mAct: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+              mWd: cute.Tensor, bars: cute.Tensor, w_base: Int32, s_base: Int32):
+        """(one thread, inlined) stream item k (expert items first, then shared) into slot `slot`"""
+        bar = bars.iterator + slot
+        b = bar.toint()
+        dw = w_base + slot * W_BYTES
+        if k < ne:
+            rb = k // nact
+            row = mAct[k - rb * nact] * L + rb * RBD
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, W_BYTES + S_BYTES)
+            bulk(dw, mW2.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+            bulk(s_base + slot * S_BYTES, mS2.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+        else:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, RSH * 2 * S)
+            bulk(dw, mWd.iterator.toint() + Int64(k - ne) * (RSH * 2 * S), RSH * 2 * S, b)
+
+    @cute.kernel
+    def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                    mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        M = mLat.shape[1]
+        if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
+            cute.arch.griddepcontrol_launch_dependents()
+        smem = cutlass.utils.SmemAllocator()
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1)),
+                                      byte_alignment=128)
+        ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
+                                      byte_alignment=128)
+        acc = smem.allocate_tensor(Float32, cute.make_layout((ACC_M, RBD), stride=(RBD, 1)), byte_alignment=16)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        nact = mMeta[0]
+        ne = NBD * nact
+        total = ne + NSH
+        lo = (bx * total) // G
+        hi = ((bx + 1) * total) // G
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(bars.iterator + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        w_base = ring_w.iterator.toint()
+        s_base = ring_s.iterator.toint()
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                if lo + s < hi:
+                    issue(lo + s, s, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
+        for idx in cutlass.range(tid, M * RBD, THREADS):
+            acc[idx // RBD, idx % RBD] = Float32(0.0)
+        if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
+            cute.arch.griddepcontrol_wait()
+        cute.arch.barrier()
+        grp = lane // GL
+        gl = lane - grp * GL
+        rloc = warp * RPW + grp
+        gW = cute.zipped_divide(ring_w, (1, 2))
+        gW4 = cute.zipped_divide(ring_w, (1, 4))
+        gA = cute.zipped_divide(mA, (1, 8))
+        gAs = cute.zipped_divide(mAsh, (1, 8))
+        for k in cutlass.range(lo, hi):
+            slot = (k - lo) % ST
+            cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
+            if k < ne:
+                rb = k // nact
+                jj = k - rb * nact
+                e = mAct[jj]
+                off = mList[jj, 0]
+                num = mList[jj, 1]
+                ws = []
+                ss = []
+                for j in cutlass.range_constexpr(NVD):
+                    v = gl + GL * j
+                    q2 = gW[(None, (slot, (rloc * WROW) // 2 + v))].load()
+                    ws.append([q2[0], q2[1]])
+                    ss.append(scale_pair(Int32(ring_s[slot, rloc, v // 2])))
+                for i in cutlass.range(off, off + num):  # every token routed to e
+                    t = mTok[i]
+                    p = Float32(0.0)
+                    for j in cutlass.range_constexpr(NVD):
+                        v = gl + GL * j
+                        for half in cutlass.range_constexpr(2):
+                            av = gA[(None, (i, 2 * v + half))].load().to(Float32)
+                            cw = decode(ws[j][half], ss[j])
+                            for kk in cutlass.range_constexpr(8):
+                                p = p + cw[kk] * av[kk]
+                    for o in cutlass.range_constexpr(GL.bit_length() - 1):
+                        p = p + cute.arch.shuffle_sync_bfly(p, offset=GL >> (o + 1))
+                    if gl == 0:
+                        acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
+                cute.arch.barrier()  # the slot is free; the row block's sum may be complete
+                if tid == 0:
+                    if k + ST < hi:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST, slot, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
+                if k + 1 == hi or k + 1 == ne or (k + 1) // nact != rb:  # last item of this row block here
+                    for idx in cutlass.range(tid, M * RBD, THREADS):
+                        t = idx // RBD
+                        rl = idx - t * RBD
+                        cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
+                                      dtype=Float32, sem="relaxed", scope="gpu")
+                        acc[t, rl] = Float32(0.0)
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.barrier()
+                    if tid == 0:
+                        mine = k + 1 - cutlass.max(lo, rb * nact)
+                        old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+                        flag[0] = Int32(old + mine == nact)
+                    cute.arch.barrier()
+                    if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
+                        cute.arch.fence_acq_rel_gpu()
+                        for idx in cutlass.range(tid, M * RBD, THREADS):
+                            t = idx // RBD
+                            rl = idx - t * RBD
+                            tot = mCoef[0] * mLat[0, t, rb * RBD + rl]
+                            for p_ in cutlass.range_constexpr(1, TP):
+                                tot = tot + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
+                            mR[t, rb * RBD + rl] = tot.to(BFloat16)
+                        if tid == 0:
+                            mCnt[rb] = Int32(0)  # re-arm for the next step
+                    cute.arch.barrier()
+            else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
+                n0 = (k - ne) * RSH
+                sgrp = lane // GS
+                sgl = lane - sgrp * GS
+                rr = warp * RPWS + sgrp
+                if rr < RSH:
+                    wv = []
+                    for j in cutlass.range_constexpr(SH_VEC):
+                        q4 = gW4[(None, (slot, (rr * SH_WORDS) // 4 + sgl + GS * j))].load()
+                        f = []
+                        for u in cutlass.range_constexpr(4):
+                            lo_, hi_ = unpack(q4[u])
+                            f += [lo_, hi_]
+                        wv.append(f)
+                    for t in cutlass.range(M):
+                        p = Float32(0.0)
+                        for j in cutlass.range_constexpr(SH_VEC):
+                            av = gAs[(None, (t, sgl + GS * j))].load().to(Float32)
+                            for kk in cutlass.range_constexpr(8):
+                                p = p + wv[j][kk] * av[kk]
+                        for o in cutlass.range_constexpr(GS.bit_length() - 1):
+                            p = p + cute.arch.shuffle_sync_bfly(p, offset=GS >> (o + 1))
+                        if sgl == 0:
+                            mSh[0, t, n0 + rr] = p.to(BFloat16)
+                cute.arch.barrier()
+                if tid == 0:
+                    if k + ST < hi:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST, slot, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
+
+    @cute.jit
+    def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                  mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                  mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    args = (
+        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (TP,), assumed_align=16),
+        fake(Int32, (NBD,), assumed_align=16),
+        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return down_host, args
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _aot_keys(kind: str):
+    def keys(arch: str):
+        out = []
+        for tp in (8, 16):
+            s = shapes_for_tp(tp)
+            make = MoEUpPipeKey if kind == "up" else down_pipe_key
+            out.append(make(s, arch=arch))
+            if tp == 8:
+                out.append(make(s, pdl=False, arch=arch))
+        return out
+    return keys
+
+
+UP_PIPE = kc.register(kc.KernelSpec(name="moe_up_pipe", module=__name__, key_type=MoEUpPipeKey, build=build_up_pipe,
+                                    aot_keys=_aot_keys("up"), ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2")))
+DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key_type=MoEDownPipeKey,
+                                      build=build_down_pipe, aot_keys=_aot_keys("down"),
+                                      ptx_checks=("cp.async.bulk", "mul.rn.bf16x2", "red.")))
+
+__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_key", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes"]

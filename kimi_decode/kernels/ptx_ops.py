@@ -1,0 +1,77 @@
+"""Single PTX instructions the CuTe DSL kernels need as traced calls (inline asm, SM90).
+
+    bulk_g2s(dst, src, nbytes, mbar)   cp.async.bulk global -> shared, completing `nbytes` of the
+                                       transaction count of the mbarrier at shared address `mbar`
+    mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
+    pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
+    bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
+
+Fragment layouts of mma.sync m16n8k16 (lane = 4·g + c): A a0a1 = row g, k 2c..2c+1; a2a3 = row g+8,
+k 2c..2c+1; a4a5 = row g, k 2c+8..2c+9; a6a7 = row g+8, k 2c+8..2c+9. B b0b1 = k 2c..2c+1, column g;
+b2b3 = k 2c+8..2c+9, column g. C/D c0c1 = row g, columns 2c..2c+1; c2c3 = row g+8, same columns.
+"""
+
+
+_OPS = {}
+
+
+def _ops():
+    if _OPS:
+        return _OPS
+    from cutlass import Float32, Int32, Int64
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    def asm(result, args, text, constraints, loc, ip):
+        return llvm.inline_asm(result, args, text, constraints, has_side_effects=result is None,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
+        asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+                   Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(mbar).ir_value(loc=loc, ip=ip)],
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+            "r,l,r,r", loc, ip)
+
+    @dsl_user_op
+    def mma_bf16(a, b, c, *, loc=None, ip=None):
+        ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
+               + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
+        res = asm(llvm.StructType.get_literal([T.f32()] * 4), ins,
+                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+                  "{$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+        return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+
+    @dsl_user_op
+    def pack_bf16x2(lo, hi, *, loc=None, ip=None):
+        res = asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                  "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
+        return Int32(res)
+
+    @dsl_user_op
+    def bf16x2_to_f32(w, *, loc=None, ip=None):
+        """Int32 holding a bf16 pair -> (low as fp32, high as fp32)"""
+        w = Int32(w)
+        lo = w << 16
+        hi = w & Int32(-65536)
+        return (Float32(llvm.bitcast(T.f32(), lo.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)),
+                Float32(llvm.bitcast(T.f32(), hi.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)))
+
+    _OPS.update(bulk_g2s=bulk_g2s, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    return _OPS
+
+
+def bulk_g2s():
+    return _ops()["bulk_g2s"]
+
+
+def mma_bf16():
+    return _ops()["mma_bf16"]
+
+
+def bf16x2_to_f32():
+    return _ops()["bf16x2_to_f32"]
+
+
+def pack_bf16x2():
+    return _ops()["pack_bf16x2"]
