@@ -72,10 +72,11 @@ class FusedMoE:
         None: the defaults.
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
-        experts: 'pipe' (the expert kernels of `kernels/moe_pipe.py`: persistent CTAs streaming the experts'
-        bytes through a bulk-copy ring; gate/up on tensor cores), 'direct' (`kernels/moe.py`: a CTA per
-        expert row block, codes loaded into registers; the launch-shape variants apply to these), or
-        'pipe-up' (the pipelined gate/up with the direct down)."""
+        experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
+        persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
+        tokens take the direct ones), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
+        registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
+        direct down, up to PIPE_MAX_M tokens)."""
         from . import compile as kc
         from .kernels import moe as km
 
@@ -102,12 +103,14 @@ class FusedMoE:
         down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
         self.variant = km.variant_name(up_key, down_key)
         cap = km.down_token_capacity(down_key)
-        if experts != "direct":
+        # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
+        self.pipelined = experts != "direct" and N <= kp.PIPE_MAX_M
+        if self.pipelined:
             up_key = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch)
             self.variant = experts
-        if experts == "pipe":
-            down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
-            cap = kp.down_pipe_capacity(down_key)
+            if experts == "pipe":
+                down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
+                cap = kp.down_pipe_capacity(down_key)
         if N > cap:
             from .support import UnsupportedConfiguration
             raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {self.variant}", N,

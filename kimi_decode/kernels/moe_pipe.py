@@ -30,13 +30,15 @@ from .moe import E, L, TOPK, MoEShape, _situ, shapes_for_tp
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
 H200_SMS = 132
+PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tables live in shared memory);
+# more tokens take the direct kernels of kernels/moe.py
 
 
 @dataclass(frozen=True)
 class MoEUpPipeKey:
     shape: MoEShape
     warps: int = 14  # warps splitting K: L / 128 = 28 super-blocks per row, 28 / warps each
-    stages: int = 6  # ring slots (30464 B each at 8 rows)
+    stages: int = 4  # ring slots (30464 B each at 8 rows)
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
     arch: str = "sm_90a"
@@ -44,7 +46,8 @@ class MoEUpPipeKey:
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
     stage = RB_UP * (L // 8) * 4 * 2 + RB_UP * (L // 32) * 2
-    return key.stages * stage + key.warps * 32 * 4 * 4 + 8 * key.stages + 256
+    tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
+    return key.stages * stage + PIPE_MAX_M * L * 2 + tables + key.warps * 32 * 4 * 4 + 8 * key.stages + 512
 
 
 def build_up_pipe(key: MoEUpPipeKey):
@@ -100,6 +103,11 @@ def build_up_pipe(key: MoEUpPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
+        # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
+        sz = smem.allocate_tensor(Int32, cute.make_layout((PIPE_MAX_M, L // 2), stride=(L // 2, 1)), byte_alignment=16)
+        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
         if const_expr(PDL):  # everything reads the routing tables
@@ -107,6 +115,13 @@ def build_up_pipe(key: MoEUpPipeKey):
             cute.arch.griddepcontrol_launch_dependents()
         nact = mMeta[0]
         nitems = nact * NRB
+        # the routing tables, once, into shared memory: no global round trip on an item's critical path
+        for idx in cutlass.range(tid, nact, THREADS):
+            s_act[idx] = mAct[idx]
+            s_list[idx, 0] = mList[idx, 0]
+            s_list[idx, 1] = mList[idx, 1]
+        for idx in cutlass.range(tid, M * TOPK, THREADS):
+            s_tok[idx] = mTok[idx]
         if tid == 0:
             for s in cutlass.range_constexpr(ST):
                 cute.arch.mbarrier_init(bars.iterator + s, 1)
@@ -114,12 +129,23 @@ def build_up_pipe(key: MoEUpPipeKey):
         cute.arch.barrier()
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
-
         if tid == 0:
             for s in cutlass.range_constexpr(ST):
                 if bx + s * G < nitems:
-                    issue(bx + s * G, s, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
-        # while the first items fly: the shared experts' SiTU and zeroing this rank's latent accumulator
+                    issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+        # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
+        # zeroing this rank's latent accumulator
+        gF = cute.zipped_divide(mF, (1, 4))
+        gZ = cute.zipped_divide(sz, (1, 4))
+        for idx in cutlass.range(tid, M * (L // 8), THREADS):
+            t = idx // (L // 8)
+            o = idx - t * (L // 8)
+            z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+            z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+            sz[t, 4 * o] = pack(z0[0], z1[0])
+            sz[t, 4 * o + 1] = pack(z0[2], z1[2])
+            sz[t, 4 * o + 2] = pack(z0[1], z1[1])
+            sz[t, 4 * o + 3] = pack(z0[3], z1[3])
         for idx in cutlass.range(bx * THREADS + tid, M * S, G * THREADS):
             t = idx // S
             c = idx - t * S
@@ -127,55 +153,55 @@ def build_up_pipe(key: MoEUpPipeKey):
         for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
             t = idx // L
             mLat[0, t, idx - t * L] = Float32(0.0)
+        cute.arch.barrier()
 
         g = lane // 4
         c = lane - 4 * g
         gW = cute.zipped_divide(ring_w, (1, 1, 1, 4))
-        gF = cute.zipped_divide(mF, (1, 4))
         n = Int32(0)
         for item in cutlass.range(bx, nitems, G):
             slot = n % ST
-            cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
             j = item // NRB
             i0 = (item - j * NRB) * RB_UP
-            off = mList[j, 0]
-            num = mList[j, 1]
-            for ch in cutlass.range(0, num, 8):
+            off = s_list[j, 0]
+            num = s_list[j, 1]  # <= M <= 8: one mma column per token
+            t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
+            cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+            accs = []
+            for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
                 acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                t = mTok[off + cutlass.min(ch + g, num - 1)]  # this lane's B column (token); clamped
-                for q in cutlass.range_constexpr(SBW):
-                    sb = warp + WARPS * q
-                    zc = (Z0 + SB * sb + 32 * c) // 4
-                    zv = [gF[(None, (t, zc + u))].load() for u in range(8)]
-                    a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
-                    a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
-                    sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
-                    sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
-                    for bb in cutlass.range_constexpr(4):
-                        p1 = pairs(a1[bb], sc1)
-                        p3 = pairs(a3[bb], sc3)
-                        z8 = [zv[2 * bb][k] for k in range(4)] + [zv[2 * bb + 1][k] for k in range(4)]
-                        for s in cutlass.range_constexpr(2):
-                            b0 = pack(z8[s], z8[s + 4])
-                            b1 = pack(z8[s + 2], z8[s + 6])
-                            acc = mma([p1[s], p3[s], p1[s + 2], p3[s + 2]], [b0, b1], acc)
-                for r in cutlass.range_constexpr(4):
-                    red[warp, lane, r] = acc[r]
-                cute.arch.barrier()
-                if warp == 0:
-                    tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    for w_ in cutlass.range_constexpr(WARPS):
-                        for r in cutlass.range_constexpr(4):
-                            tot[r] = tot[r] + red[w_, lane, r]
-                    for x_ in cutlass.range_constexpr(2):
-                        tk = ch + 2 * c + x_
-                        if tk < num:
-                            mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
-                cute.arch.barrier()
+                sb = warp + WARPS * q
+                a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
+                a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+                sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
+                sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+                for bb in cutlass.range_constexpr(4):
+                    zb = gZ[(None, (t, 16 * sb + 4 * c + bb))].load()
+                    p1 = pairs(a1[bb], sc1)
+                    p3 = pairs(a3[bb], sc3)
+                    for s in cutlass.range_constexpr(2):
+                        acc = mma([p1[s], p3[s], p1[s + 2], p3[s + 2]], [zb[2 * s], zb[2 * s + 1]], acc)
+                accs.append(acc)
+            for r in cutlass.range_constexpr(4):
+                v = accs[0][r]
+                for q in cutlass.range_constexpr(1, SBW):
+                    v = v + accs[q][r]
+                red[warp, lane, r] = v
+            cute.arch.barrier()
             if tid == 0:  # every warp is done with the slot: refill it with the item ST rounds ahead
                 if item + ST * G < nitems:
                     cute.arch.fence_view_async_shared()
-                    issue(item + ST * G, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                    issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            if warp == WARPS - 1:
+                tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                for w_ in cutlass.range_constexpr(WARPS):
+                    for r in cutlass.range_constexpr(4):
+                        tot[r] = tot[r] + red[w_, lane, r]
+                for x_ in cutlass.range_constexpr(2):
+                    tk = 2 * c + x_
+                    if tk < num:
+                        mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+            cute.arch.barrier()
             n = n + 1
 
     @cute.jit
@@ -208,7 +234,6 @@ def build_up_pipe(key: MoEUpPipeKey):
 
 
 RSH = 4  # shared-down rows per item (bf16 rows of 2·S bytes: 6144 B at TP8, 3072 at TP16)
-ACC_WORDS_PIPE = 16384  # fp32 words of the per-CTA latent accumulator [tokens, rows per item] (64 KB)
 
 
 @dataclass(frozen=True)
@@ -238,9 +263,7 @@ def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
-    from .moe import MAX_M
-
-    return min(MAX_M, ACC_WORDS_PIPE // (key.warps * key.rows_per_warp))
+    return PIPE_MAX_M
 
 
 def _down_pipe_sizes(key: MoEDownPipeKey):
@@ -254,7 +277,10 @@ def _down_pipe_sizes(key: MoEDownPipeKey):
 
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
     RBD, w_bytes, s_bytes = _down_pipe_sizes(key)
-    return key.stages * (w_bytes + s_bytes) + 4 * down_pipe_capacity(key) * RBD + 8 * key.stages + 384
+    I, S = key.shape.inter, key.shape.shared
+    acts = 2 * TOPK * PIPE_MAX_M * I + 2 * PIPE_MAX_M * S
+    tables = 4 * (3 * E + 2 * TOPK * PIPE_MAX_M)
+    return key.stages * (w_bytes + s_bytes) + 4 * PIPE_MAX_M * RBD + acts + tables + 8 * key.stages + 640
 
 
 def build_down_pipe(key: MoEDownPipeKey):
@@ -281,7 +307,6 @@ def build_down_pipe(key: MoEDownPipeKey):
     GS = S // (8 * SH_VEC)
     RPWS = 32 // GS
     NSH = D // RSH
-    ACC_M = down_pipe_capacity(key)
     assert (I // 16) % GL == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
     assert WARPS * RPWS >= RSH
     decode, bulk, unpack = decode_word(), bulk_g2s(), bf16x2_to_f32()
@@ -319,14 +344,38 @@ def build_down_pipe(key: MoEDownPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
                                       byte_alignment=128)
-        acc = smem.allocate_tensor(Float32, cute.make_layout((ACC_M, RBD), stride=(RBD, 1)), byte_alignment=16)
+        acc = smem.allocate_tensor(Float32, cute.make_layout((PIPE_MAX_M, RBD), stride=(RBD, 1)), byte_alignment=16)
+        # moe_up's outputs and the routing tables, once, in shared memory: an item's arithmetic waits on no
+        # global round trip
+        s_a = smem.allocate_tensor(BFloat16, cute.make_layout((TOPK * PIPE_MAX_M, I), stride=(I, 1)),
+                                   byte_alignment=16)
+        s_ash = smem.allocate_tensor(BFloat16, cute.make_layout((PIPE_MAX_M, S), stride=(S, 1)), byte_alignment=16)
+        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
+        s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
-        nact = mMeta[0]
+        nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
         ne = NBD * nact
         total = ne + NSH
         lo = (bx * total) // G
         hi = ((bx + 1) * total) // G
+        for idx in cutlass.range(tid, nact, THREADS):
+            s_act[idx] = mAct[idx]
+            s_list[idx, 0] = mList[idx, 0]
+            s_list[idx, 1] = mList[idx, 1]
+        for idx in cutlass.range(tid, M * TOPK, THREADS):
+            s_tok[idx] = mTok[idx]
+        cute.arch.barrier()
+        for idx in cutlass.range(tid, nact, THREADS):  # routing weight of every (expert, token) pair
+            e = s_act[idx]
+            off = s_list[idx, 0]
+            num = s_list[idx, 1]
+            wq = [mWe[e, s_tok[off + cutlass.min(q, num - 1)]] for q in range(PIPE_MAX_M)]  # loads in flight together
+            for q in cutlass.range_constexpr(PIPE_MAX_M):
+                if q < num:
+                    s_we[off + q] = wq[q]
         if tid == 0:
             for s in cutlass.range_constexpr(ST):
                 cute.arch.mbarrier_init(bars.iterator + s, 1)
@@ -337,28 +386,35 @@ def build_down_pipe(key: MoEDownPipeKey):
         if tid == 0:
             for s in cutlass.range_constexpr(ST):
                 if lo + s < hi:
-                    issue(lo + s, s, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
-        for idx in cutlass.range(tid, M * RBD, THREADS):
+                    issue(lo + s, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+        for idx in cutlass.range(tid, PIPE_MAX_M * RBD, THREADS):
             acc[idx // RBD, idx % RBD] = Float32(0.0)
         if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
+        gA = cute.zipped_divide(mA, (1, 8))
+        gAs = cute.zipped_divide(mAsh, (1, 8))
+        sA = cute.zipped_divide(s_a, (1, 8))
+        sAs = cute.zipped_divide(s_ash, (1, 8))
+        for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
+            i = idx // (I // 8)
+            sA[(None, (i, idx - i * (I // 8)))].store(gA[(None, (i, idx - i * (I // 8)))].load())
+        for idx in cutlass.range(tid, M * (S // 8), THREADS):
+            t = idx // (S // 8)
+            sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
         grp = lane // GL
         gl = lane - grp * GL
         rloc = warp * RPW + grp
         gW = cute.zipped_divide(ring_w, (1, 2))
         gW4 = cute.zipped_divide(ring_w, (1, 4))
-        gA = cute.zipped_divide(mA, (1, 8))
-        gAs = cute.zipped_divide(mAsh, (1, 8))
         for k in cutlass.range(lo, hi):
             slot = (k - lo) % ST
-            cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
             if k < ne:
                 rb = k // nact
                 jj = k - rb * nact
-                e = mAct[jj]
-                off = mList[jj, 0]
-                num = mList[jj, 1]
+                off = s_list[jj, 0]
+                num = s_list[jj, 1]
+                cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
                 ws = []
                 ss = []
                 for j in cutlass.range_constexpr(NVD):
@@ -366,25 +422,25 @@ def build_down_pipe(key: MoEDownPipeKey):
                     q2 = gW[(None, (slot, (rloc * WROW) // 2 + v))].load()
                     ws.append([q2[0], q2[1]])
                     ss.append(scale_pair(Int32(ring_s[slot, rloc, v // 2])))
-                for i in cutlass.range(off, off + num):  # every token routed to e
-                    t = mTok[i]
+                for i in cutlass.range(off, off + num):  # every token routed to the expert
                     p = Float32(0.0)
                     for j in cutlass.range_constexpr(NVD):
                         v = gl + GL * j
                         for half in cutlass.range_constexpr(2):
-                            av = gA[(None, (i, 2 * v + half))].load().to(Float32)
+                            av = sA[(None, (i, 2 * v + half))].load().to(Float32)
                             cw = decode(ws[j][half], ss[j])
                             for kk in cutlass.range_constexpr(8):
                                 p = p + cw[kk] * av[kk]
                     for o in cutlass.range_constexpr(GL.bit_length() - 1):
                         p = p + cute.arch.shuffle_sync_bfly(p, offset=GL >> (o + 1))
                     if gl == 0:
-                        acc[t, rloc] = acc[t, rloc] + p * mWe[e, t]
+                        t = s_tok[i]
+                        acc[t, rloc] = acc[t, rloc] + p * s_we[i]
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
                 if tid == 0:
                     if k + ST < hi:
                         cute.arch.fence_view_async_shared()
-                        issue(k + ST, slot, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
+                        issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if k + 1 == hi or k + 1 == ne or (k + 1) // nact != rb:  # last item of this row block here
                     for idx in cutlass.range(tid, M * RBD, THREADS):
                         t = idx // RBD
@@ -416,6 +472,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
                 rr = warp * RPWS + sgrp
+                cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
                 if rr < RSH:
                     wv = []
                     for j in cutlass.range_constexpr(SH_VEC):
@@ -428,7 +485,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     for t in cutlass.range(M):
                         p = Float32(0.0)
                         for j in cutlass.range_constexpr(SH_VEC):
-                            av = gAs[(None, (t, sgl + GS * j))].load().to(Float32)
+                            av = sAs[(None, (t, sgl + GS * j))].load().to(Float32)
                             for kk in cutlass.range_constexpr(8):
                                 p = p + wv[j][kk] * av[kk]
                         for o in cutlass.range_constexpr(GS.bit_length() - 1):
@@ -439,7 +496,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if tid == 0:
                     if k + ST < hi:
                         cute.arch.fence_view_async_shared()
-                        issue(k + ST, slot, ne, nact, mAct, mW2, mS2, mWd, bars, w_base, s_base)
+                        issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
 
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
