@@ -141,7 +141,8 @@ class FusedMoE:
         self.list = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)  # (offset, count) per active expert
         self.tok = torch.zeros(km.TOPK * N, dtype=torch.int32, device=dev)  # token ids grouped by expert
         self.a = nan(km.TOPK * N, I)  # SiTU output per (expert, token) pair, in the order of `tok`
-        self.cnt = torch.zeros(km.L // (down_key.warps * down_key.rows_per_warp), dtype=torch.int32, device=dev)
+        rows = down_key.rows_per_item if hasattr(down_key, "rows_per_item") else down_key.warps * down_key.rows_per_warp
+        self.cnt = torch.zeros(km.L // rows, dtype=torch.int32, device=dev)  # completion counter per latent row block
         self.a_sh = nan(N, S)
         # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)
         self.lat = torch.randn(tp, N, km.L, generator=gen).to(dev)

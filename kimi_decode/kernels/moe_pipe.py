@@ -233,32 +233,31 @@ def build_up_pipe(key: MoEUpPipeKey):
 # --------------------------------------------------------------------------- moe_down
 
 
-RSH = 4  # shared-down rows per item (bf16 rows of 2·S bytes: 6144 B at TP8, 3072 at TP16)
-
-
 @dataclass(frozen=True)
 class MoEDownPipeKey:
-    """moe_down with a ring: an expert item is `warps * rows_per_warp` latent rows of one active expert's W2
-    (rows_per_warp rows per warp, 32 / rows_per_warp lanes per row); a shared item is RSH rows of the shared
-    experts' down projection. Items are ordered (row block, expert), then the shared ones, and each CTA takes a
-    contiguous run, so it sums one row block over consecutive experts in shared memory and adds the sum into
-    the rank's latent partial (red.add) once per row block; the CTA that completes a row block's expert count
-    (an atomic counter) does its one-shot all-reduce read and stores r (bf16)."""
+    """moe_down with a ring. An expert item is 16 · `warps` latent rows of one active expert's W2: warp w owns
+    rows 16w..16w+15 as an mma.sync A operand (decoded to bf16 pairs as in moe_up) over the whole K = I, the
+    expert's tokens (a, bf16, from shared memory) are the B columns; w · a·W2ᵀ is added into the CTA's fp32
+    sum of its row block. A shared item is `rows_per_item` rows of the shared experts' down projection (bf16,
+    CUDA cores). Items are ordered (row block, expert), then the shared ones, and each CTA takes a contiguous
+    run, so it sums one row block over consecutive experts in shared memory and adds the sum into the rank's
+    latent partial (red.add) once per row block; the CTA that completes a row block's expert count (an atomic
+    counter) does its one-shot all-reduce read and stores r (bf16)."""
 
     shape: MoEShape
     warps: int = 8
-    rows_per_warp: int = 4
-    stages: int = 8
+    stages: int = 3
     ctas: int = H200_SMS
     pdl: bool = True
     arch: str = "sm_90a"
 
+    @property
+    def rows_per_item(self) -> int:
+        return 16 * self.warps
+
 
 def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
-    """The default moe_down ring for a rank shape: at TP16 six slots (with eight, ptxas keeps an 8-byte
-    spill in the token loop)."""
-    if shape.tp == 16:
-        kw.setdefault("stages", 6)
+    """The default moe_down ring for a rank shape."""
     return MoEDownPipeKey(shape, **kw)
 
 
@@ -268,15 +267,16 @@ def down_pipe_capacity(key: MoEDownPipeKey) -> int:
 
 def _down_pipe_sizes(key: MoEDownPipeKey):
     I, S = key.shape.inter, key.shape.shared
-    RBD = key.warps * key.rows_per_warp
+    RBD = key.rows_per_item
     w_bytes = RBD * I // 2
     s_bytes = RBD * I // 32
-    assert RSH * 2 * S <= w_bytes and w_bytes % 16 == 0 and s_bytes % 16 == 0 and (RSH * 2 * S) % 16 == 0
-    return RBD, w_bytes, s_bytes
+    rsh = 1 << ((w_bytes // (2 * S)).bit_length() - 1)  # shared-down rows per shared item (a power of 2)
+    assert w_bytes % 16 == 0 and s_bytes % 16 == 0 and rsh >= 1
+    return RBD, w_bytes, s_bytes, rsh
 
 
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
-    RBD, w_bytes, s_bytes = _down_pipe_sizes(key)
+    RBD, w_bytes, s_bytes, _ = _down_pipe_sizes(key)
     I, S = key.shape.inter, key.shape.shared
     acts = 2 * TOPK * PIPE_MAX_M * I + 2 * PIPE_MAX_M * S
     tables = 4 * (3 * E + 2 * TOPK * PIPE_MAX_M)
@@ -289,27 +289,27 @@ def build_down_pipe(key: MoEDownPipeKey):
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import D
-    from .mxfp4_decode import decode_word, scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s
+    from .mxfp4_decode import decode_pairs, scale_pair
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s, mma_bf16, pack_bf16x2
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
-    WARPS, RPW, ST, G, PDL = key.warps, key.rows_per_warp, key.stages, key.ctas, key.pdl
+    WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     THREADS = 32 * WARPS
-    RBD, W_BYTES, S_BYTES = _down_pipe_sizes(key)
+    RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     WROW = I // 8  # words per W2 row
     SROW = I // 32
-    GL = 32 // RPW  # lanes per W2 row
-    NVD = (I // 16) // GL  # 16-code vectors per lane
+    NSBD = I // SB  # 128-code super-blocks per W2 row
     NBD = L // RBD
     SH_WORDS = S // 2  # words per shared-down row
     SH_VEC = 3  # 8-bf16 vectors per lane of a shared row
     GS = S // (8 * SH_VEC)
     RPWS = 32 // GS
     NSH = D // RSH
-    assert (I // 16) % GL == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
-    assert WARPS * RPWS >= RSH
-    decode, bulk, unpack = decode_word(), bulk_g2s(), bf16x2_to_f32()
+    assert I % SB == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
+    assert RSH % (WARPS * RPWS) == 0
+    SHQ = RSH // (WARPS * RPWS)  # shared rows per lane group
+    pairs, bulk, unpack, mma, pack = decode_pairs(), bulk_g2s(), bf16x2_to_f32(), mma_bf16(), pack_bf16x2()
 
     @cute.jit
     def issue(k: Int32, slot: Int32, ne: Int32, nact: Int32, mAct: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
@@ -340,14 +340,14 @@ def build_down_pipe(key: MoEDownPipeKey):
         if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
             cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
-        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1)),
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, RBD, WROW), stride=(RBD * WROW, WROW, 1)),
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
                                       byte_alignment=128)
         acc = smem.allocate_tensor(Float32, cute.make_layout((PIPE_MAX_M, RBD), stride=(RBD, 1)), byte_alignment=16)
         # moe_up's outputs and the routing tables, once, in shared memory: an item's arithmetic waits on no
-        # global round trip
-        s_a = smem.allocate_tensor(BFloat16, cute.make_layout((TOPK * PIPE_MAX_M, I), stride=(I, 1)),
+        # global round trip. a is kept as bf16 pairs in the mma's B order (per 8 codes: (0,4) (2,6) (1,5) (3,7))
+        s_a = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M, I // 2), stride=(I // 2, 1)),
                                    byte_alignment=16)
         s_ash = smem.allocate_tensor(BFloat16, cute.make_layout((PIPE_MAX_M, S), stride=(S, 1)), byte_alignment=16)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
@@ -393,20 +393,25 @@ def build_down_pipe(key: MoEDownPipeKey):
             cute.arch.griddepcontrol_wait()
         gA = cute.zipped_divide(mA, (1, 8))
         gAs = cute.zipped_divide(mAsh, (1, 8))
-        sA = cute.zipped_divide(s_a, (1, 8))
         sAs = cute.zipped_divide(s_ash, (1, 8))
         for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
             i = idx // (I // 8)
-            sA[(None, (i, idx - i * (I // 8)))].store(gA[(None, (i, idx - i * (I // 8)))].load())
+            o = idx - i * (I // 8)
+            lo8 = gA[(None, (i, o))].load().to(Float32)  # a[i, 8o .. 8o + 7] (exact in fp32)
+            s_a[i, 4 * o] = pack(lo8[0], lo8[4])
+            s_a[i, 4 * o + 1] = pack(lo8[2], lo8[6])
+            s_a[i, 4 * o + 2] = pack(lo8[1], lo8[5])
+            s_a[i, 4 * o + 3] = pack(lo8[3], lo8[7])
         for idx in cutlass.range(tid, M * (S // 8), THREADS):
             t = idx // (S // 8)
             sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
-        grp = lane // GL
-        gl = lane - grp * GL
-        rloc = warp * RPW + grp
-        gW = cute.zipped_divide(ring_w, (1, 2))
-        gW4 = cute.zipped_divide(ring_w, (1, 4))
+        g = lane // 4
+        c = lane - 4 * g
+        gW = cute.zipped_divide(ring_w, (1, 1, 4))
+        sA = cute.zipped_divide(s_a, (1, 4))
+        gW4 = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1))),
+                                 (1, 4))
         for k in cutlass.range(lo, hi):
             slot = (k - lo) % ST
             if k < ne:
@@ -414,28 +419,34 @@ def build_down_pipe(key: MoEDownPipeKey):
                 jj = k - rb * nact
                 off = s_list[jj, 0]
                 num = s_list[jj, 1]
+                pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
+                r0 = 16 * warp + g
                 cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
-                ws = []
-                ss = []
-                for j in cutlass.range_constexpr(NVD):
-                    v = gl + GL * j
-                    q2 = gW[(None, (slot, (rloc * WROW) // 2 + v))].load()
-                    ws.append([q2[0], q2[1]])
-                    ss.append(scale_pair(Int32(ring_s[slot, rloc, v // 2])))
-                for i in cutlass.range(off, off + num):  # every token routed to the expert
-                    p = Float32(0.0)
-                    for j in cutlass.range_constexpr(NVD):
-                        v = gl + GL * j
-                        for half in cutlass.range_constexpr(2):
-                            av = sA[(None, (i, 2 * v + half))].load().to(Float32)
-                            cw = decode(ws[j][half], ss[j])
-                            for kk in cutlass.range_constexpr(8):
-                                p = p + cw[kk] * av[kk]
-                    for o in cutlass.range_constexpr(GL.bit_length() - 1):
-                        p = p + cute.arch.shuffle_sync_bfly(p, offset=GL >> (o + 1))
-                    if gl == 0:
-                        t = s_tok[i]
-                        acc[t, rloc] = acc[t, rloc] + p * s_we[i]
+                accs = []
+                for q in cutlass.range_constexpr(NSBD):
+                    cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    wa = gW[(None, (slot, r0, 4 * q + c))].load()
+                    wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
+                    sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
+                    sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
+                    for bb in cutlass.range_constexpr(4):
+                        ab = sA[(None, (pi, 16 * q + 4 * c + bb))].load()
+                        pa = pairs(wa[bb], sa)
+                        pb = pairs(wb[bb], sb_)
+                        for s in cutlass.range_constexpr(2):
+                            cq = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [ab[2 * s], ab[2 * s + 1]], cq)
+                    accs.append(cq)
+                tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                for q in cutlass.range_constexpr(NSBD):
+                    for r in cutlass.range_constexpr(4):
+                        tot[r] = tot[r] + accs[q][r]
+                for x_ in cutlass.range_constexpr(2):
+                    n_ = 2 * c + x_
+                    if n_ < num:
+                        t = s_tok[off + n_]
+                        w = s_we[off + n_]
+                        acc[t, r0] = acc[t, r0] + tot[x_] * w
+                        acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
                 if tid == 0:
                     if k + ST < hi:
@@ -460,10 +471,10 @@ def build_down_pipe(key: MoEDownPipeKey):
                         for idx in cutlass.range(tid, M * RBD, THREADS):
                             t = idx // RBD
                             rl = idx - t * RBD
-                            tot = mCoef[0] * mLat[0, t, rb * RBD + rl]
+                            tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
                             for p_ in cutlass.range_constexpr(1, TP):
-                                tot = tot + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
-                            mR[t, rb * RBD + rl] = tot.to(BFloat16)
+                                tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
+                            mR[t, rb * RBD + rl] = tot_.to(BFloat16)
                         if tid == 0:
                             mCnt[rb] = Int32(0)  # re-arm for the next step
                     cute.arch.barrier()
@@ -471,11 +482,12 @@ def build_down_pipe(key: MoEDownPipeKey):
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
-                rr = warp * RPWS + sgrp
                 cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
-                if rr < RSH:
+                for q in cutlass.range_constexpr(SHQ):
+                    rr = (q * WARPS + warp) * RPWS + sgrp
                     wv = []
                     for j in cutlass.range_constexpr(SH_VEC):
+                        # the slot holds RSH rows of 2·S bytes back to back: row rr starts at word rr·S/2
                         q4 = gW4[(None, (slot, (rr * SH_WORDS) // 4 + sgl + GS * j))].load()
                         f = []
                         for u in cutlass.range_constexpr(4):
@@ -548,6 +560,6 @@ UP_PIPE = kc.register(kc.KernelSpec(name="moe_up_pipe", module=__name__, key_typ
                                     aot_keys=_aot_keys("up"), ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2")))
 DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key_type=MoEDownPipeKey,
                                       build=build_down_pipe, aot_keys=_aot_keys("down"),
-                                      ptx_checks=("cp.async.bulk", "mul.rn.bf16x2", "red.")))
+                                      ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
 __all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_key", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes"]
