@@ -149,7 +149,8 @@ class FusedMoE:
         self.sh = torch.randn(tp, N, km.D, generator=gen).to(torch.bfloat16).to(dev)
         self.coef = torch.zeros(tp, dtype=torch.float32, device=dev)
         self.coef[0] = 1.0
-        self.r = nan(N, km.L)
+        self.r = nan(N, km.L)  # the reduced latent times the RMSNorm weight (moe_down's all-reduce read)
+        self.ssq = nan(N, dtype=torch.float32)  # Σ r² per token: zeroed by moe_up, summed by moe_down
         self.h = nan(N, km.D)
         self.routing = (self.ids, self.wts)
         self.buffers = dict(front=self.front, topk_ids=self.ids, topk_weights=self.wts, experts_act=self.a,
@@ -172,15 +173,15 @@ class FusedMoE:
             Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
                    act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
                    run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
-                                    self.tok, self.a, self.a_sh, self.lat)),
+                                    self.tok, self.a, self.a_sh, self.lat, self.ssq)),
             Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
-                   act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh),
+                   act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm),
                    _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
                    run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.list, self.tok, self.we, self.lat,
-                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh)),
+                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh, self.norm, self.ssq)),
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
-                   _nbytes(w.up, self.r, w.norm, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
-                   run=lambda: f[3](w.up, self.r, self.norm, self.sh, self.coef, self.h)),
+                   _nbytes(w.up, self.r, self.ssq, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
+                   run=lambda: f[3](w.up, self.r, self.ssq, self.sh, self.coef, self.h)),
         ]
 
     def launches(self) -> list[Launch]:

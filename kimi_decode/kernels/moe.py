@@ -10,8 +10,10 @@
                    active experts and tokens of w · a·W2ᵀ (MXFP4), added into the rank's latent
                    partial (red.add); the block's last CTA does the one-shot all-reduce read of
                    the slice, bf16 r. Other CTAs: the shared experts' down projection.
-    4. moe_tail    RMSNorm(r)·W_upᵀ (norm folded into the GEMV: x·w_norm on load, rsqrt(mean r²)
-                   from the same loads), plus the shared all-reduce read, stored bf16.
+    4. moe_tail    RMSNorm(r)·W_upᵀ, plus the shared all-reduce read, stored bf16. The norm is folded
+                   around the GEMV: moe_down's all-reduce read stores r ⊙ w_norm and adds Σ r² into a
+                   per-token sum (`rms_sumsq`, zeroed by moe_up); the tail is a plain GEMV of that, times
+                   rsqrt(Σ r² / L + eps).
 
 Stock vLLM spends 15 launches on the same work (docs/stock_schedule.md). Each active
 expert's packed bytes are read once per step (expert-major loops over token lists).
@@ -129,6 +131,36 @@ def _situ(g, u, beta, beta_lin):
     if beta_lin > 0:
         u = Float32(beta_lin) * cute.math.tanh(u * Float32(1.0 / beta_lin))
     return a * u
+
+
+_SUMSQ = None
+
+
+def rms_sumsq():
+    """`@cute.jit` rms_sumsq()(acc, mSsq, M, RB, WARPS): one warp per token adds Σ_rl acc[t, rl] (a row block's
+    r², left in shared memory by the all-reduce read) into mSsq[t] (`red.add`): the RMSNorm's sum of squares,
+    complete when every row block is in, read by the tail after its wait."""
+    global _SUMSQ
+    if _SUMSQ is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Constexpr, Float32
+
+        @cute.jit
+        def sumsq(acc: cute.Tensor, mSsq: cute.Tensor, M, RB: Constexpr, WARPS: Constexpr):
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            for t in cutlass.range(warp, M, WARPS):
+                v = Float32(0.0)
+                for rl in cutlass.range_constexpr(0, RB, 32):
+                    if rl + lane < RB:
+                        v = v + acc[t, rl + lane]
+                v = cute.arch.warp_reduction_sum(v)
+                if lane == 0:
+                    cute.arch.red(mSsq.iterator + t, v, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+
+        _SUMSQ = sumsq
+    return _SUMSQ
 
 
 # --------------------------------------------------------------------------- 1. front + routing
@@ -466,7 +498,7 @@ def build_up(key: MoEUpKey):
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                   mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                  mAsh: cute.Tensor, mLat: cute.Tensor):
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -485,6 +517,8 @@ def build_up(key: MoEUpKey):
             for idx in cutlass.range(bx * THREADS + tid, M * L, gx * THREADS):
                 t = idx // L
                 mLat[0, t, idx - t * L] = Float32(0.0)
+            for idx in cutlass.range(bx * THREADS + tid, M, gx * THREADS):
+                mSsq[idx] = Float32(0.0)
         else:
             nact = mMeta[0]
             if by < nact:
@@ -539,9 +573,9 @@ def build_up(key: MoEUpKey):
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                 mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                mAsh: cute.Tensor, mLat: cute.Tensor, stream):
+                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, stream):
         M = mF.shape[0]
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat).launch(
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
             grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -558,6 +592,7 @@ def build_up(key: MoEUpKey):
         fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return up_host, args
@@ -597,7 +632,8 @@ def build_down(key: MoEDownKey):
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
-                    mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
+                    mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
+                    mSsq: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -679,7 +715,10 @@ def build_down(key: MoEDownKey):
                     tot = mCoef[0] * mLat[0, t, bx * RB + rl]
                     for p_ in cutlass.range_constexpr(1, TP):
                         tot = tot + mCoef[p_] * mLat[p_, t, bx * RB + rl]
-                    mR[t, bx * RB + rl] = tot.to(BFloat16)
+                    mR[t, bx * RB + rl] = (tot * mNorm[0, bx * RB + rl].to(Float32)).to(BFloat16)  # RMSNorm's weight
+                    acc[t, rl] = tot * tot
+                cute.arch.barrier()
+                rms_sumsq()(acc, mSsq, M, RB, WARPS)  # Σ r² of the slice into the token's sum (the tail's rsqrt)
                 if tid == 0:
                     mCnt[bx] = Int32(0)  # re-arm for the next step
         elif by == 0:  # shared experts' down projection: this rank's partial
@@ -706,8 +745,9 @@ def build_down(key: MoEDownKey):
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
-                  mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
-        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
+                  mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
+                  mSsq: cute.Tensor, stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq).launch(
             grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * ACC_M * RB + 64, stream=stream,
             use_pdl=PDL)
 
@@ -729,6 +769,8 @@ def build_down(key: MoEDownKey):
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (1, L), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return down_host, args
@@ -749,7 +791,7 @@ def build_tail(key: MoETailKey):
     EPS, PDL = sh.eps, key.pdl
 
     @cute.kernel
-    def tail_kernel(mW: cute.Tensor, mX: cute.Tensor, mNorm: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+    def tail_kernel(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
                     mO: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -757,8 +799,7 @@ def build_tail(key: MoETailKey):
         m0 = by * MT
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
-        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM + MT), stride=(RM + MT, 1)),
-                                   byte_alignment=16)
+        buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
         # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
         # loads, at clamped indices; the owners of an output use them after the GEMV). With PDL it reads
         # moe_down's output, so it goes right after the wait, behind the first W_up loads.
@@ -773,28 +814,26 @@ def build_tail(key: MoETailKey):
             return [mSh[p_, mc, row0 + rc] for p_ in range(TP)]
 
         if const_expr(PDL):
-            shv = gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True, True,
-                                  shared_reads)
+            shv = gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, True, shared_reads)
         else:
             shv = shared_reads()
-            gemv_partials()(mW, mX, mNorm, buf, row0, m0, K, MT, R, WARPS, U, True, True, False)
+            gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
             s = warp_sum()(buf, tid, WARPS)
-            q = warp_sum()(buf, RM + mi, WARPS)
             if m0 + mi < M:
-                s = s * cute.math.rsqrt(q * Float32(1.0 / K) + Float32(EPS))
+                s = s * cute.math.rsqrt(mSsq[m0 + mi] * Float32(1.0 / K) + Float32(EPS))
                 for p_ in cutlass.range_constexpr(TP):
                     s = s + cf[p_] * shv[p_].to(Float32)
                 mO[m0 + mi, row0 + r] = s.to(BFloat16)
 
     @cute.jit
-    def tail_host(mW: cute.Tensor, mX: cute.Tensor, mNorm: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+    def tail_host(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
                   mO: cute.Tensor, stream):
         M = mX.shape[0]
-        tail_kernel(mW, mX, mNorm, mSh, mCoef, mO).launch(
-            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * (RM + MT) + 64,
+        tail_kernel(mW, mX, mSsq, mSh, mCoef, mO).launch(
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * RM + 64,
             stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -802,7 +841,7 @@ def build_tail(key: MoETailKey):
     args = (
         fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (1, K), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
         fake(BFloat16, (TP, m, N), stride_order=(2, 1, 0), assumed_align=16),
         fake(Float32, (TP,), assumed_align=16),
         fake(BFloat16, (m, N), stride_order=(1, 0), assumed_align=16),

@@ -25,7 +25,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import E, L, TOPK, MoEShape, _situ, shapes_for_tp
+from .moe import E, L, TOPK, MoEShape, _situ, rms_sumsq, shapes_for_tp
 
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
@@ -92,7 +92,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                   mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                  mAsh: cute.Tensor, mLat: cute.Tensor):
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -153,6 +153,8 @@ def build_up_pipe(key: MoEUpPipeKey):
         for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
             t = idx // L
             mLat[0, t, idx - t * L] = Float32(0.0)
+        for idx in cutlass.range(bx * THREADS + tid, M, G * THREADS):
+            mSsq[idx] = Float32(0.0)
         cute.arch.barrier()
 
         g = lane // 4
@@ -207,8 +209,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                 mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                mAsh: cute.Tensor, mLat: cute.Tensor, stream):
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat).launch(
+                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, stream):
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -225,6 +227,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return up_host, args
@@ -331,7 +334,8 @@ def build_down_pipe(key: MoEDownPipeKey):
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
-                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor):
+                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                    mNorm: cute.Tensor, mSsq: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -474,7 +478,13 @@ def build_down_pipe(key: MoEDownPipeKey):
                             tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
                             for p_ in cutlass.range_constexpr(1, TP):
                                 tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
-                            mR[t, rb * RBD + rl] = tot_.to(BFloat16)
+                            mR[t, rb * RBD + rl] = (tot_ * mNorm[0, rb * RBD + rl].to(Float32)).to(BFloat16)
+                            acc[t, rl] = tot_ * tot_
+                        cute.arch.barrier()
+                        rms_sumsq()(acc, mSsq, M, RBD, WARPS)  # Σ r² of the row block into the token's sum
+                        cute.arch.barrier()
+                        for idx in cutlass.range(tid, M * RBD, THREADS):
+                            acc[idx // RBD, idx % RBD] = Float32(0.0)
                         if tid == 0:
                             mCnt[rb] = Int32(0)  # re-arm for the next step
                     cute.arch.barrier()
@@ -513,8 +523,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
-                  mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, stream):
-        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh).launch(
+                  mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
+                  mSsq: cute.Tensor, stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -535,6 +546,8 @@ def build_down_pipe(key: MoEDownPipeKey):
         fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (1, L), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     return down_host, args
