@@ -38,16 +38,44 @@ PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tabl
 class MoEUpPipeKey:
     shape: MoEShape
     warps: int = 14  # warps splitting K: L / 128 = 28 super-blocks per row, 28 / warps each
-    stages: int = 4  # ring slots (30464 B each at 8 rows)
+    max_tokens: int = PIPE_MAX_M  # tokens per step it holds (1 or 8): what its activations take of shared memory
+    stages: int = 0  # ring slots (30464 B each at TP8); 0: as many as fit next to the activations (at most 8)
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
     arch: str = "sm_90a"
 
+    def __post_init__(self):
+        _check_max_tokens(self.max_tokens)
+        if self.stages == 0:
+            object.__setattr__(self, "stages", _fit_stages(_up_fixed_bytes(self), _up_stage_bytes(self.shape)))
+
+
+SMEM_BUDGET = 227 * 1024 - 2048  # dynamic shared memory a CTA may take on the H200, less static and slack
+
+
+def _check_max_tokens(n: int) -> None:
+    if n not in (1, PIPE_MAX_M):
+        raise ValueError(f"max_tokens must be 1 or {PIPE_MAX_M}, got {n}")
+
+
+def _fit_stages(fixed: int, stage: int) -> int:
+    n = min(8, (SMEM_BUDGET - fixed) // (stage + 8))
+    if n < 2:
+        raise ValueError("the ring needs at least 2 slots next to the activations")
+    return n
+
+
+def _up_stage_bytes(shape: MoEShape) -> int:
+    return RB_UP * (L // 8) * 4 * 2 + RB_UP * (L // 32) * 2
+
+
+def _up_fixed_bytes(key) -> int:
+    tables = 4 * (3 * E + TOPK * key.max_tokens)
+    return key.max_tokens * L * 2 + tables + key.warps * 32 * 4 * 4 + 512
+
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
-    stage = RB_UP * (L // 8) * 4 * 2 + RB_UP * (L // 32) * 2
-    tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
-    return key.stages * stage + PIPE_MAX_M * L * 2 + tables + key.warps * 32 * 4 * 4 + 8 * key.stages + 512
+    return key.stages * (_up_stage_bytes(key.shape) + 8) + _up_fixed_bytes(key)
 
 
 def build_up_pipe(key: MoEUpPipeKey):
@@ -61,6 +89,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     sh = key.shape
     I, S = sh.inter, sh.shared
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
+    MXT = key.max_tokens
     THREADS = 32 * WARPS
     NSB = L // SB
     assert NSB % WARPS == 0 and I % RB_UP == 0
@@ -104,10 +133,10 @@ def build_up_pipe(key: MoEUpPipeKey):
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
         # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
-        sz = smem.allocate_tensor(Int32, cute.make_layout((PIPE_MAX_M, L // 2), stride=(L // 2, 1)), byte_alignment=16)
+        sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(L // 2, 1)), byte_alignment=16)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
         if const_expr(PDL):  # everything reads the routing tables
@@ -249,10 +278,17 @@ class MoEDownPipeKey:
 
     shape: MoEShape
     warps: int = 8
-    stages: int = 3
+    max_tokens: int = PIPE_MAX_M  # tokens per step it holds (1 or 8): what its activations take of shared memory
+    stages: int = 0  # ring slots; 0: as many as fit next to the activations (at most 8)
     ctas: int = H200_SMS
     pdl: bool = True
     arch: str = "sm_90a"
+
+    def __post_init__(self):
+        _check_max_tokens(self.max_tokens)
+        if self.stages == 0:
+            _, w_bytes, s_bytes, _ = _down_pipe_sizes(self)
+            object.__setattr__(self, "stages", _fit_stages(_down_fixed_bytes(self), w_bytes + s_bytes))
 
     @property
     def rows_per_item(self) -> int:
@@ -265,7 +301,7 @@ def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
-    return PIPE_MAX_M
+    return key.max_tokens
 
 
 def _down_pipe_sizes(key: MoEDownPipeKey):
@@ -278,12 +314,16 @@ def _down_pipe_sizes(key: MoEDownPipeKey):
     return RBD, w_bytes, s_bytes, rsh
 
 
+def _down_fixed_bytes(key) -> int:
+    I, S, n = key.shape.inter, key.shape.shared, key.max_tokens
+    acts = 2 * TOPK * n * I + 2 * n * S
+    tables = 4 * (3 * E + 2 * TOPK * n)
+    return 4 * n * key.rows_per_item + acts + tables + 640
+
+
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
-    RBD, w_bytes, s_bytes, _ = _down_pipe_sizes(key)
-    I, S = key.shape.inter, key.shape.shared
-    acts = 2 * TOPK * PIPE_MAX_M * I + 2 * PIPE_MAX_M * S
-    tables = 4 * (3 * E + 2 * TOPK * PIPE_MAX_M)
-    return key.stages * (w_bytes + s_bytes) + 4 * PIPE_MAX_M * RBD + acts + tables + 8 * key.stages + 640
+    _, w_bytes, s_bytes, _ = _down_pipe_sizes(key)
+    return key.stages * (w_bytes + s_bytes + 8) + _down_fixed_bytes(key)
 
 
 def build_down_pipe(key: MoEDownPipeKey):
@@ -298,6 +338,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
+    MXT = key.max_tokens
     THREADS = 32 * WARPS
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     WROW = I // 8  # words per W2 row
@@ -348,16 +389,16 @@ def build_down_pipe(key: MoEDownPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
                                       byte_alignment=128)
-        acc = smem.allocate_tensor(Float32, cute.make_layout((PIPE_MAX_M, RBD), stride=(RBD, 1)), byte_alignment=16)
+        acc = smem.allocate_tensor(Float32, cute.make_layout((MXT, RBD), stride=(RBD, 1)), byte_alignment=16)
         # moe_up's outputs and the routing tables, once, in shared memory: an item's arithmetic waits on no
         # global round trip. a is kept as bf16 pairs in the mma's B order (per 8 codes: (0,4) (2,6) (1,5) (3,7))
-        s_a = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M, I // 2), stride=(I // 2, 1)),
+        s_a = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT, I // 2), stride=(I // 2, 1)),
                                    byte_alignment=16)
-        s_ash = smem.allocate_tensor(BFloat16, cute.make_layout((PIPE_MAX_M, S), stride=(S, 1)), byte_alignment=16)
+        s_ash = smem.allocate_tensor(BFloat16, cute.make_layout((MXT, S), stride=(S, 1)), byte_alignment=16)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
-        s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * PIPE_MAX_M,)), byte_alignment=16)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
+        s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
@@ -376,8 +417,8 @@ def build_down_pipe(key: MoEDownPipeKey):
             e = s_act[idx]
             off = s_list[idx, 0]
             num = s_list[idx, 1]
-            wq = [mWe[e, s_tok[off + cutlass.min(q, num - 1)]] for q in range(PIPE_MAX_M)]  # loads in flight together
-            for q in cutlass.range_constexpr(PIPE_MAX_M):
+            wq = [mWe[e, s_tok[off + cutlass.min(q, num - 1)]] for q in range(MXT)]  # loads in flight together
+            for q in cutlass.range_constexpr(MXT):
                 if q < num:
                     s_we[off + q] = wq[q]
         if tid == 0:
@@ -391,7 +432,7 @@ def build_down_pipe(key: MoEDownPipeKey):
             for s in cutlass.range_constexpr(ST):
                 if lo + s < hi:
                     issue(lo + s, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
-        for idx in cutlass.range(tid, PIPE_MAX_M * RBD, THREADS):
+        for idx in cutlass.range(tid, MXT * RBD, THREADS):
             acc[idx // RBD, idx % RBD] = Float32(0.0)
         if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
@@ -562,9 +603,10 @@ def _aot_keys(kind: str):
         for tp in (8, 16):
             s = shapes_for_tp(tp)
             make = MoEUpPipeKey if kind == "up" else down_pipe_key
-            out.append(make(s, arch=arch))
-            if tp == 8:
-                out.append(make(s, pdl=False, arch=arch))
+            for n in (1, PIPE_MAX_M):
+                out.append(make(s, max_tokens=n, arch=arch))
+                if tp == 8:
+                    out.append(make(s, max_tokens=n, pdl=False, arch=arch))
         return out
     return keys
 
