@@ -105,12 +105,11 @@ class FusedMoE:
         cap = km.down_token_capacity(down_key)
         # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
         self.pipelined = experts != "direct" and N <= kp.PIPE_MAX_M
-        if self.pipelined:  # a one-token variant leaves the shared memory of 8 tokens' activations to the ring
-            mxt = 1 if N == 1 else kp.PIPE_MAX_M
-            up_key = kp.MoEUpPipeKey(shape, max_tokens=mxt, pdl=pdl, arch=arch)
+        if self.pipelined:
+            up_key = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch)
             self.variant = experts
             if experts == "pipe":
-                down_key = kp.down_pipe_key(shape, max_tokens=mxt, pdl=pdl, arch=arch)
+                down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
                 cap = kp.down_pipe_capacity(down_key)
         if N > cap:
             from .support import UnsupportedConfiguration

@@ -400,17 +400,11 @@ def test_cute_kernel_set_matches_torch(batch):
         torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
-def test_pipelined_kernels_size_their_ring_to_the_shared_memory_left():
-    """The ring takes what the staged activations leave of the 227 KB (more slots for one token than for 8),
-    and only 1- and 8-token variants exist."""
+
+def test_pipelined_kernels_fit_in_shared_memory_at_tp8_and_tp16():
     from kimi_decode.kernels import moe_pipe as kp
     from kimi_decode.kernels.moe import shapes_for_tp
     for tp in (8, 16):
         s = shapes_for_tp(tp)
-        for make, size in ((kp.MoEUpPipeKey, kp.up_pipe_smem_bytes), (kp.down_pipe_key, kp.down_pipe_smem_bytes)):
-            one, eight = make(s, max_tokens=1), make(s, max_tokens=8)
-            assert 2 <= eight.stages <= one.stages <= 8, (tp, make, one.stages, eight.stages)
-            assert size(one) <= kp.SMEM_BUDGET and size(eight) <= kp.SMEM_BUDGET
-            assert kp.down_pipe_capacity(kp.down_pipe_key(s, max_tokens=1)) == 1
-    with pytest.raises(ValueError, match="max_tokens must be 1 or 8"):
-        kp.MoEUpPipeKey(shapes_for_tp(8), max_tokens=4)
+        assert kp.up_pipe_smem_bytes(kp.MoEUpPipeKey(s)) <= kp.SMEM_BUDGET
+        assert kp.down_pipe_smem_bytes(kp.down_pipe_key(s)) <= kp.SMEM_BUDGET

@@ -482,7 +482,7 @@ def build_route(key: MoERouteKey):
 def build_up(key: MoEUpKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
+    from cutlass import BFloat16, Float32, Int32, const_expr
 
     sh = key.shape
     I, S = sh.inter, sh.shared
@@ -578,11 +578,23 @@ def build_up(key: MoEUpKey):
         up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
             grid=(I // RB, cute.min(M * TOPK, E) + 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=PDL)
 
+    args = expert_up_args(sh)
+    return up_host, args
+
+
+def expert_up_args(sh: MoEShape) -> tuple:
+    """Compile-time stand-ins of moe_up's arguments (the direct and the pipelined kernel take the same):
+    front output, W1 codes/scales, W3 codes/scales, meta, active experts, (offset, count) lists, token ids,
+    a, a_shared, latent partials, Σ r², stream."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    I, S = sh.inter, sh.shared
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
     w = fake(Int32, (E, I, L // 8), stride_order=(2, 1, 0), assumed_align=16)
     s = fake(Uint8, (E, I, L // 32), stride_order=(2, 1, 0), assumed_align=16)
-    args = (
+    return (
         fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
         w, s, w, s,
         fake(Int32, (4,), assumed_align=16),
@@ -595,7 +607,39 @@ def build_up(key: MoEUpKey):
         fake(Float32, (m,), assumed_align=16),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    return up_host, args
+
+
+def expert_down_args(sh: MoEShape, row_blocks: int) -> tuple:
+    """Compile-time stand-ins of moe_down's arguments (direct and pipelined alike): a, W2 codes/scales, meta,
+    active experts, lists, token ids, routing weights, latent partials, all-reduce coefficients, the
+    `row_blocks` completion counters, r, a_shared, shared down weight, shared partials, norm weight, Σ r²,
+    stream."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8
+
+    I, S, TP = sh.inter, sh.shared, sh.tp
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    return (
+        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (E,), assumed_align=16),
+        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
+        fake(Int32, (cute.sym_int(),), assumed_align=16),
+        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (TP,), assumed_align=16),
+        fake(Int32, (row_blocks,), assumed_align=16),
+        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        fake(BFloat16, (1, L), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
 
 
 # --------------------------------------------------------------------------- 3. experts down + shared down
@@ -610,7 +654,7 @@ def down_token_capacity(key: MoEDownKey) -> int:
 def build_down(key: MoEDownKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
+    from cutlass import BFloat16, Float32, Int32, const_expr
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
@@ -751,28 +795,7 @@ def build_down(key: MoEDownKey):
             grid=(NB + D // RBS, ES, 1), block=(THREADS, 1, 1), smem=4 * ACC_M * RB + 64, stream=stream,
             use_pdl=PDL)
 
-    fake = cute.runtime.make_fake_compact_tensor
-    m = cute.sym_int()
-    args = (
-        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Int32, (4,), assumed_align=16),
-        fake(Int32, (E,), assumed_align=16),
-        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (cute.sym_int(),), assumed_align=16),
-        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Float32, (TP,), assumed_align=16),
-        fake(Int32, (NB,), assumed_align=16),
-        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
-        fake(BFloat16, (1, L), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m,), assumed_align=16),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
+    args = expert_down_args(sh, NB)
     return down_host, args
 
 

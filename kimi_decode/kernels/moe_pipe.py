@@ -25,7 +25,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import E, L, TOPK, MoEShape, _situ, rms_sumsq, shapes_for_tp
+from .moe import E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp
 
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
@@ -38,31 +38,55 @@ PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tabl
 class MoEUpPipeKey:
     shape: MoEShape
     warps: int = 14  # warps splitting K: L / 128 = 28 super-blocks per row, 28 / warps each
-    max_tokens: int = PIPE_MAX_M  # tokens per step it holds (1 or 8): what its activations take of shared memory
-    stages: int = 0  # ring slots (30464 B each at TP8); 0: as many as fit next to the activations (at most 8)
+    stages: int = 4  # ring slots (30464 B each at TP8); 6 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
     arch: str = "sm_90a"
 
-    def __post_init__(self):
-        _check_max_tokens(self.max_tokens)
-        if self.stages == 0:
-            object.__setattr__(self, "stages", _fit_stages(_up_fixed_bytes(self), _up_stage_bytes(self.shape)))
+
+_RING_INIT = None
+
+
+def ring_init():
+    """`@cute.jit` ring_init()(bars, ST): thread 0 arms the ring's ST mbarriers (one arrival each: the thread
+    that issues a slot's bulk copies), then a CTA barrier."""
+    global _RING_INIT
+    if _RING_INIT is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Constexpr
+
+        @cute.jit
+        def init(bars: cute.Tensor, ST: Constexpr):
+            tid, _, _ = cute.arch.thread_idx()
+            if tid == 0:
+                for s in cutlass.range_constexpr(ST):
+                    cute.arch.mbarrier_init(bars.iterator + s, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+
+        _RING_INIT = init
+    return _RING_INIT
+
+
+def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0):
+    """(traced inline) One lane's share of a 128-code super-block: acc += A·B over 8 mma.sync m16n8k16, A rows
+    g and g+8 from the 4 code words wa, wb (scale pairs sa, sb) decoded to bf16 pairs, B from the staged
+    activations sB (pairs in the mma's B order) of column `col`, 8-code groups v0..v0+3."""
+    from .mxfp4_decode import decode_pairs
+    from .ptx_ops import mma_bf16
+
+    pairs, mma = decode_pairs(), mma_bf16()
+    for bb in range(4):
+        b = sB[(None, (col, v0 + bb))].load()
+        pa = pairs(wa[bb], sa)
+        pb = pairs(wb[bb], sb)
+        for s in range(2):
+            acc = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [b[2 * s], b[2 * s + 1]], acc)
+    return acc
 
 
 SMEM_BUDGET = 227 * 1024 - 2048  # dynamic shared memory a CTA may take on the H200, less static and slack
-
-
-def _check_max_tokens(n: int) -> None:
-    if n not in (1, PIPE_MAX_M):
-        raise ValueError(f"max_tokens must be 1 or {PIPE_MAX_M}, got {n}")
-
-
-def _fit_stages(fixed: int, stage: int) -> int:
-    n = min(8, (SMEM_BUDGET - fixed) // (stage + 8))
-    if n < 2:
-        raise ValueError("the ring needs at least 2 slots next to the activations")
-    return n
 
 
 def _up_stage_bytes(shape: MoEShape) -> int:
@@ -70,8 +94,8 @@ def _up_stage_bytes(shape: MoEShape) -> int:
 
 
 def _up_fixed_bytes(key) -> int:
-    tables = 4 * (3 * E + TOPK * key.max_tokens)
-    return key.max_tokens * L * 2 + tables + key.warps * 32 * 4 * 4 + 512
+    tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
+    return PIPE_MAX_M * L * 2 + tables + key.warps * 32 * 4 * 4 + 512
 
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
@@ -83,13 +107,13 @@ def build_up_pipe(key: MoEUpPipeKey):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
-    from .mxfp4_decode import decode_pairs, scale_pair
-    from .ptx_ops import bulk_g2s, mma_bf16, pack_bf16x2
+    from .mxfp4_decode import scale_pair
+    from .ptx_ops import bulk_g2s, pack_bf16x2
 
     sh = key.shape
     I, S = sh.inter, sh.shared
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
-    MXT = key.max_tokens
+    MXT = PIPE_MAX_M
     THREADS = 32 * WARPS
     NSB = L // SB
     assert NSB % WARPS == 0 and I % RB_UP == 0
@@ -102,7 +126,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
     Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
-    pairs, bulk, mma, pack = decode_pairs(), bulk_g2s(), mma_bf16(), pack_bf16x2()
+    bulk, pack = bulk_g2s(), pack_bf16x2()
 
     def issue(item, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base):
         """(one thread, traced inline) stream item's W1/W3 rows and scales into ring slot `slot`"""
@@ -151,11 +175,7 @@ def build_up_pipe(key: MoEUpPipeKey):
             s_list[idx, 1] = mList[idx, 1]
         for idx in cutlass.range(tid, M * TOPK, THREADS):
             s_tok[idx] = mTok[idx]
-        if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(bars.iterator + s, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        ring_init()(bars, ST)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:
@@ -206,13 +226,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                 a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
                 sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
                 sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
-                for bb in cutlass.range_constexpr(4):
-                    zb = gZ[(None, (t, 16 * sb + 4 * c + bb))].load()
-                    p1 = pairs(a1[bb], sc1)
-                    p3 = pairs(a3[bb], sc3)
-                    for s in cutlass.range_constexpr(2):
-                        acc = mma([p1[s], p3[s], p1[s + 2], p3[s + 2]], [zb[2 * s], zb[2 * s + 1]], acc)
-                accs.append(acc)
+                accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c))
             for r in cutlass.range_constexpr(4):
                 v = accs[0][r]
                 for q in cutlass.range_constexpr(1, SBW):
@@ -242,23 +256,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
-    fake = cute.runtime.make_fake_compact_tensor
-    m = cute.sym_int()
-    w = fake(Int32, (E, I, L // 8), stride_order=(2, 1, 0), assumed_align=16)
-    s = fake(Uint8, (E, I, L // 32), stride_order=(2, 1, 0), assumed_align=16)
-    args = (
-        fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
-        w, s, w, s,
-        fake(Int32, (4,), assumed_align=16),
-        fake(Int32, (E,), assumed_align=16),
-        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (cute.sym_int(),), assumed_align=16),
-        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (sh.tp, m, L), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Float32, (m,), assumed_align=16),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
+    args = expert_up_args(sh)
     return up_host, args
 
 
@@ -278,17 +276,10 @@ class MoEDownPipeKey:
 
     shape: MoEShape
     warps: int = 8
-    max_tokens: int = PIPE_MAX_M  # tokens per step it holds (1 or 8): what its activations take of shared memory
-    stages: int = 0  # ring slots; 0: as many as fit next to the activations (at most 8)
+    stages: int = 3  # ring slots (26112 B each at TP8); 7 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS
     pdl: bool = True
     arch: str = "sm_90a"
-
-    def __post_init__(self):
-        _check_max_tokens(self.max_tokens)
-        if self.stages == 0:
-            _, w_bytes, s_bytes, _ = _down_pipe_sizes(self)
-            object.__setattr__(self, "stages", _fit_stages(_down_fixed_bytes(self), w_bytes + s_bytes))
 
     @property
     def rows_per_item(self) -> int:
@@ -301,7 +292,7 @@ def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
-    return key.max_tokens
+    return PIPE_MAX_M
 
 
 def _down_pipe_sizes(key: MoEDownPipeKey):
@@ -315,7 +306,7 @@ def _down_pipe_sizes(key: MoEDownPipeKey):
 
 
 def _down_fixed_bytes(key) -> int:
-    I, S, n = key.shape.inter, key.shape.shared, key.max_tokens
+    I, S, n = key.shape.inter, key.shape.shared, PIPE_MAX_M
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
     return 4 * n * key.rows_per_item + acts + tables + 640
@@ -332,13 +323,13 @@ def build_down_pipe(key: MoEDownPipeKey):
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import D
-    from .mxfp4_decode import decode_pairs, scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s, mma_bf16, pack_bf16x2
+    from .mxfp4_decode import scale_pair
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s, pack_bf16x2
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
-    MXT = key.max_tokens
+    MXT = PIPE_MAX_M
     THREADS = 32 * WARPS
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     WROW = I // 8  # words per W2 row
@@ -353,7 +344,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     assert I % SB == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
     assert RSH % (WARPS * RPWS) == 0
     SHQ = RSH // (WARPS * RPWS)  # shared rows per lane group
-    pairs, bulk, unpack, mma, pack = decode_pairs(), bulk_g2s(), bf16x2_to_f32(), mma_bf16(), pack_bf16x2()
+    bulk, unpack, pack = bulk_g2s(), bf16x2_to_f32(), pack_bf16x2()
 
     @cute.jit
     def issue(k: Int32, slot: Int32, ne: Int32, nact: Int32, mAct: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
@@ -421,11 +412,7 @@ def build_down_pipe(key: MoEDownPipeKey):
             for q in cutlass.range_constexpr(MXT):
                 if q < num:
                     s_we[off + q] = wq[q]
-        if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(bars.iterator + s, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
+        ring_init()(bars, ST)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:
@@ -474,13 +461,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
                     sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
                     sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
-                    for bb in cutlass.range_constexpr(4):
-                        ab = sA[(None, (pi, 16 * q + 4 * c + bb))].load()
-                        pa = pairs(wa[bb], sa)
-                        pb = pairs(wb[bb], sb_)
-                        for s in cutlass.range_constexpr(2):
-                            cq = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [ab[2 * s], ab[2 * s + 1]], cq)
-                    accs.append(cq)
+                    accs.append(superblock_mma(cq, wa, wb, sa, sb_, sA, pi, 16 * q + 4 * c))
                 tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                 for q in cutlass.range_constexpr(NSBD):
                     for r in cutlass.range_constexpr(4):
@@ -569,28 +550,7 @@ def build_down_pipe(key: MoEDownPipeKey):
         down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
-    fake = cute.runtime.make_fake_compact_tensor
-    m = cute.sym_int()
-    args = (
-        fake(BFloat16, (cute.sym_int(), I), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Int32, (4,), assumed_align=16),
-        fake(Int32, (E,), assumed_align=16),
-        fake(Int32, (E, 2), stride_order=(1, 0), assumed_align=16),
-        fake(Int32, (cute.sym_int(),), assumed_align=16),
-        fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (TP, m, L), stride_order=(2, 1, 0), assumed_align=16),
-        fake(Float32, (TP,), assumed_align=16),
-        fake(Int32, (NBD,), assumed_align=16),
-        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (m, S), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (D, S), stride_order=(1, 0), assumed_align=16),
-        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
-        fake(BFloat16, (1, L), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m,), assumed_align=16),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    )
+    args = expert_down_args(sh, NBD)
     return down_host, args
 
 
@@ -603,10 +563,9 @@ def _aot_keys(kind: str):
         for tp in (8, 16):
             s = shapes_for_tp(tp)
             make = MoEUpPipeKey if kind == "up" else down_pipe_key
-            for n in (1, PIPE_MAX_M):
-                out.append(make(s, max_tokens=n, arch=arch))
-                if tp == 8:
-                    out.append(make(s, max_tokens=n, pdl=False, arch=arch))
+            out.append(make(s, arch=arch))
+            if tp == 8:
+                out.append(make(s, pdl=False, arch=arch))
         return out
     return keys
 
