@@ -59,6 +59,36 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
     km.check_scales(w.w1_scale, w.w3_scale, w.w2_scale)
 
 
+def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
+                       arch: str = "sm_90a"):
+    """(moe_up key, moe_down key, variant name) of the fused MoE half for `tokens` tokens per step; refuses
+    (before any launch) an unknown `experts`, a variant for the pipelined kernels, or more tokens than the
+    chosen moe_down holds. See `FusedMoE` for what `experts` selects."""
+    from .kernels import moe as km
+    from .kernels import moe_pipe as kp
+    from .support import UnsupportedConfiguration
+
+    if experts not in EXPERT_KERNELS:
+        raise ValueError(f"experts must be one of {EXPERT_KERNELS}, got {experts!r}")
+    if variant and experts != "direct":
+        raise ValueError("launch-shape variants apply to the direct expert kernels: pass experts='direct'")
+    up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
+    up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
+    down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
+    name = km.variant_name(up_key, down_key)
+    cap = km.down_token_capacity(down_key)
+    # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
+    if experts != "direct" and tokens <= kp.PIPE_MAX_M:
+        up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch), experts
+        if experts == "pipe":
+            down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
+            cap = kp.down_pipe_capacity(down_key)
+    if tokens > cap:
+        raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
+                                       f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
+    return up_key, down_key, name
+
+
 class FusedMoE:
     """One decode step of the MoE half (§6.3) on one rank in four launches (five above 8 tokens)."""
 
@@ -92,33 +122,18 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
-        from .kernels import moe_pipe as kp
-        if experts not in EXPERT_KERNELS:
-            raise ValueError(f"experts must be one of {EXPERT_KERNELS}, got {experts!r}")
-        if variant and experts != "direct":
-            raise ValueError("launch-shape variants apply to the direct expert kernels: pass experts='direct'")
+        up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
+                                                            arch=arch)
         self.experts = experts
-        up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
-        up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
-        down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
-        self.variant = km.variant_name(up_key, down_key)
-        cap = km.down_token_capacity(down_key)
-        # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
-        self.pipelined = experts != "direct" and N <= kp.PIPE_MAX_M
-        if self.pipelined:
-            up_key = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch)
-            self.variant = experts
-            if experts == "pipe":
-                down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
-                cap = kp.down_pipe_capacity(down_key)
-        if N > cap:
-            from .support import UnsupportedConfiguration
-            raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {self.variant}", N,
-                                           f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
+        self.pipelined = type(up_key).__name__ == "MoEUpPipeKey"
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)
+        route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
+        tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
+        # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
+        self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)
+                                     if k is not None)
         self.pdl = pdl
-        self._fns = [kc.load(km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)),
-                     kc.load(up_key), kc.load(down_key),
-                     kc.load(km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))]
+        self._fns = [kc.load(k) for k in (front_key, up_key, down_key, tail_key)]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):
@@ -160,7 +175,7 @@ class FusedMoE:
         from .byte_counts import expected_active_experts
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
-        self._route = kc.load(km.MoERouteKey(shape, pdl=pdl, arch=arch)) if separate_routing else None
+        self._route = kc.load(route_key) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,

@@ -72,7 +72,8 @@ def check_moe(make, w: LayerWeights, x: torch.Tensor) -> dict:
     ex()
     torch.cuda.synchronize()
     return {**compare_step(ex.h, ref, ref_bf, ex.routing[0], x, w.moe, w.cfg),
-            "active_experts": int(torch.unique(routing.ids).numel())}
+            "active_experts": int(torch.unique(routing.ids).numel()),
+            "kernels_used": getattr(ex, "kernels_used", "stock schedule")}
 
 
 def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] = (8,),

@@ -408,3 +408,30 @@ def test_pipelined_kernels_fit_in_shared_memory_at_tp8_and_tp16():
         s = shapes_for_tp(tp)
         assert kp.up_pipe_smem_bytes(kp.MoEUpPipeKey(s)) <= kp.SMEM_BUDGET
         assert kp.down_pipe_smem_bytes(kp.down_pipe_key(s)) <= kp.SMEM_BUDGET
+
+
+def test_expert_kernels_are_chosen_by_token_count_and_mode():
+    """Up to 8 tokens the pipelined expert kernels, above the direct ones; 'pipe-up' keeps the direct down;
+    'direct' everywhere; variants only for the direct kernels; too many tokens for a variant refused."""
+    from kimi_decode.fused_moe import expert_kernel_keys
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+
+    def kinds(n, **kw):
+        up, down, name = expert_kernel_keys(s, n, **kw)
+        return type(up).__name__, type(down).__name__, name
+
+    assert kinds(1) == ("MoEUpPipeKey", "MoEDownPipeKey", "pipe")
+    assert kinds(kp.PIPE_MAX_M) == ("MoEUpPipeKey", "MoEDownPipeKey", "pipe")
+    assert kinds(kp.PIPE_MAX_M + 1)[:2] == ("MoEUpKey", "MoEDownKey")
+    assert kinds(km.MAX_M)[:2] == ("MoEUpKey", "MoEDownKey")
+    assert kinds(4, experts="pipe-up") == ("MoEUpPipeKey", "MoEDownKey", "pipe-up")
+    assert kinds(1, experts="direct")[:2] == ("MoEUpKey", "MoEDownKey")
+    assert kinds(1, experts="direct", variant="w4r2-w4r8e2s8")[2] == "w4r2-w4r8e2s8"
+    with pytest.raises(ValueError, match="experts must be one of"):
+        expert_kernel_keys(s, 1, experts="fast")
+    with pytest.raises(ValueError, match="apply to the direct"):
+        expert_kernel_keys(s, 1, variant="w4r2-w4r8e2s8")
+    with pytest.raises(UnsupportedConfiguration, match="1..192"):
+        expert_kernel_keys(s, 256, experts="direct", variant="w4r2-w4r16e2s4")
