@@ -81,7 +81,7 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
     if experts != "direct" and tokens <= kp.PIPE_MAX_M:
         up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch), experts
         if experts == "pipe":
-            down_key = kp.down_pipe_key(shape, pdl=pdl, arch=arch)
+            down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch)
             cap = kp.down_pipe_capacity(down_key)
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
@@ -124,8 +124,6 @@ class FusedMoE:
         self.separate_routing = separate_routing
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch)
-        self.experts = experts
-        self.pipelined = type(up_key).__name__ == "MoEUpPipeKey"
         front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)
         route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
@@ -156,8 +154,7 @@ class FusedMoE:
         self.list = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)  # (offset, count) per active expert
         self.tok = torch.zeros(km.TOPK * N, dtype=torch.int32, device=dev)  # token ids grouped by expert
         self.a = nan(km.TOPK * N, I)  # SiTU output per (expert, token) pair, in the order of `tok`
-        rows = down_key.rows_per_item if hasattr(down_key, "rows_per_item") else down_key.warps * down_key.rows_per_warp
-        self.cnt = torch.zeros(km.L // rows, dtype=torch.int32, device=dev)  # completion counter per latent row block
+        self.cnt = torch.zeros(km.L // down_key.rows_per_item, dtype=torch.int32, device=dev)  # completion counter per latent row block
         self.a_sh = nan(N, S)
         # all-reduce buffers: slot 0 this rank's partial, the rest stand-ins for the peers (random)
         self.lat = torch.randn(tp, N, km.L, generator=gen).to(dev)

@@ -298,7 +298,7 @@ def test_pipelined_expert_kernels_compile_at_tp16_without_spills(compiler, name)
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe_pipe as kp
     from kimi_decode.kernels.moe import shapes_for_tp
-    key = (kp.MoEUpPipeKey if name == "moe_up_pipe" else kp.down_pipe_key)(shapes_for_tp(16))
+    key = (kp.MoEUpPipeKey if name == "moe_up_pipe" else kp.MoEDownPipeKey)(shapes_for_tp(16))
     res = kc.resource_usage(key)
     assert res["STACK"] == 0 and res["LOCAL"] == 0, f"{name} TP16: register spills {res}"
 
@@ -407,7 +407,7 @@ def test_pipelined_kernels_fit_in_shared_memory_at_tp8_and_tp16():
     for tp in (8, 16):
         s = shapes_for_tp(tp)
         assert kp.up_pipe_smem_bytes(kp.MoEUpPipeKey(s)) <= kp.SMEM_BUDGET
-        assert kp.down_pipe_smem_bytes(kp.down_pipe_key(s)) <= kp.SMEM_BUDGET
+        assert kp.down_pipe_smem_bytes(kp.MoEDownPipeKey(s)) <= kp.SMEM_BUDGET
 
 
 def test_expert_kernels_are_chosen_by_token_count_and_mode():

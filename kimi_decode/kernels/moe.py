@@ -112,6 +112,11 @@ class MoEDownKey:
     pdl: bool = True
     arch: str = "sm_90a"
 
+    @property
+    def rows_per_item(self) -> int:
+        """Latent rows a CTA sums (one completion counter each), as `moe_pipe.MoEDownPipeKey.rows_per_item`."""
+        return self.warps * self.rows_per_warp
+
 
 @dataclass(frozen=True)
 class MoETailKey:
@@ -131,6 +136,40 @@ def _situ(g, u, beta, beta_lin):
     if beta_lin > 0:
         u = Float32(beta_lin) * cute.math.tanh(u * Float32(1.0 / beta_lin))
     return a * u
+
+
+_SHARED_SITU = None
+
+
+def shared_situ_and_zeroing():
+    """`@cute.jit` shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, start, step, SHAPE): the part of moe_up that
+    does not depend on the routing, over a grid-stride range (start, step) of threads: the shared experts' SiTU
+    (a_shared, bf16, from the front kernel's fp32 gate/up pre-activations) and zeroing this rank's fp32 latent
+    partial and the per-token Σ r² that moe_down adds into."""
+    global _SHARED_SITU
+    if _SHARED_SITU is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import BFloat16, Constexpr, Float32
+
+        @cute.jit
+        def run(mF: cute.Tensor, mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, start, step,
+                SHAPE: Constexpr):
+            M = mF.shape[0]
+            S, SH0 = SHAPE.shared, SHAPE.sh0
+            for idx in cutlass.range(start, M * S, step):
+                t = idx // S
+                c = idx - t * S
+                a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], SHAPE.beta, SHAPE.beta_lin)
+                mAsh[t, c] = a.to(BFloat16)
+            for idx in cutlass.range(start, M * L, step):
+                t = idx // L
+                mLat[0, t, idx - t * L] = Float32(0.0)
+            for idx in cutlass.range(start, M, step):
+                mSsq[idx] = Float32(0.0)
+
+        _SHARED_SITU = run
+    return _SHARED_SITU
 
 
 _SUMSQ = None
@@ -485,14 +524,14 @@ def build_up(key: MoEUpKey):
     from cutlass import BFloat16, Float32, Int32, const_expr
 
     sh = key.shape
-    I, S = sh.inter, sh.shared
+    I = sh.inter
     WARPS, RPW = key.warps, key.rows_per_warp
     RB = WARPS * RPW
     THREADS = 32 * WARPS
     NV = (L // 16) // 32  # 16-code vectors per lane per row
     assert I % RB == 0 and (L // 16) % 32 == 0
     decode = decode_word()
-    Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
+    Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
     PDL = key.pdl
 
     @cute.kernel
@@ -504,21 +543,11 @@ def build_up(key: MoEUpKey):
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
-        M = mF.shape[0]
         if const_expr(PDL):  # everything here reads the front (and routing) launch's outputs
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if by == gy - 1:  # the shared experts' SiTU, and zeroing this rank's latent accumulator
-            for idx in cutlass.range(bx * THREADS + tid, M * S, gx * THREADS):
-                t = idx // S
-                c = idx - t * S
-                a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], BETA, BETA_LIN)
-                mAsh[t, c] = a.to(BFloat16)
-            for idx in cutlass.range(bx * THREADS + tid, M * L, gx * THREADS):
-                t = idx // L
-                mLat[0, t, idx - t * L] = Float32(0.0)
-            for idx in cutlass.range(bx * THREADS + tid, M, gx * THREADS):
-                mSsq[idx] = Float32(0.0)
+            shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, gx * THREADS, sh)
         else:
             nact = mMeta[0]
             if by < nact:

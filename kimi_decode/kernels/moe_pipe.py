@@ -25,7 +25,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp
+from .moe import E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
@@ -69,6 +69,44 @@ def ring_init():
     return _RING_INIT
 
 
+def store_b_order(dst, row, o, v):
+    """(traced inline) Store 8 consecutive fp32 values v (codes 8o .. 8o + 7 of a K row) as the bf16 pairs an
+    mma.sync B operand takes in the permuted K order: words 4o .. 4o + 3 of dst[row] = (0,4) (2,6) (1,5) (3,7)."""
+    from .ptx_ops import pack_bf16x2
+
+    pack = pack_bf16x2()
+    for w, (a, b) in enumerate(((0, 4), (2, 6), (1, 5), (3, 7))):
+        dst[row, 4 * o + w] = pack(v[a], v[b])
+
+
+_TABLES = None
+
+
+def stage_routing_tables():
+    """`@cute.jit` stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS): copy the
+    routing's expert-major tables (active experts, their (offset, count), the grouped token ids) into shared
+    memory, all threads of the CTA; the caller synchronises."""
+    global _TABLES
+    if _TABLES is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Constexpr
+
+        @cute.jit
+        def stage(mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, s_act: cute.Tensor,
+                  s_list: cute.Tensor, s_tok: cute.Tensor, nact, M, THREADS: Constexpr):
+            tid, _, _ = cute.arch.thread_idx()
+            for idx in cutlass.range(tid, nact, THREADS):
+                s_act[idx] = mAct[idx]
+                s_list[idx, 0] = mList[idx, 0]
+                s_list[idx, 1] = mList[idx, 1]
+            for idx in cutlass.range(tid, M * TOPK, THREADS):
+                s_tok[idx] = mTok[idx]
+
+        _TABLES = stage
+    return _TABLES
+
+
 def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0):
     """(traced inline) One lane's share of a 128-code super-block: acc += A·B over 8 mma.sync m16n8k16, A rows
     g and g+8 from the 4 code words wa, wb (scale pairs sa, sb) decoded to bf16 pairs, B from the staged
@@ -108,10 +146,10 @@ def build_up_pipe(key: MoEUpPipeKey):
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bulk_g2s, pack_bf16x2
+    from .ptx_ops import bulk_g2s
 
     sh = key.shape
-    I, S = sh.inter, sh.shared
+    I = sh.inter
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
     THREADS = 32 * WARPS
@@ -125,8 +163,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     S_BYTES = RB_UP * SROW
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
-    Z0, SH0, BETA, BETA_LIN = sh.z0, sh.sh0, sh.beta, sh.beta_lin
-    bulk, pack = bulk_g2s(), pack_bf16x2()
+    Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
+    bulk = bulk_g2s()
 
     def issue(item, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base):
         """(one thread, traced inline) stream item's W1/W3 rows and scales into ring slot `slot`"""
@@ -169,12 +207,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         nact = mMeta[0]
         nitems = nact * NRB
         # the routing tables, once, into shared memory: no global round trip on an item's critical path
-        for idx in cutlass.range(tid, nact, THREADS):
-            s_act[idx] = mAct[idx]
-            s_list[idx, 0] = mList[idx, 0]
-            s_list[idx, 1] = mList[idx, 1]
-        for idx in cutlass.range(tid, M * TOPK, THREADS):
-            s_tok[idx] = mTok[idx]
+        stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
         ring_init()(bars, ST)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
@@ -191,19 +224,8 @@ def build_up_pipe(key: MoEUpPipeKey):
             o = idx - t * (L // 8)
             z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
             z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
-            sz[t, 4 * o] = pack(z0[0], z1[0])
-            sz[t, 4 * o + 1] = pack(z0[2], z1[2])
-            sz[t, 4 * o + 2] = pack(z0[1], z1[1])
-            sz[t, 4 * o + 3] = pack(z0[3], z1[3])
-        for idx in cutlass.range(bx * THREADS + tid, M * S, G * THREADS):
-            t = idx // S
-            c = idx - t * S
-            mAsh[t, c] = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], BETA, BETA_LIN).to(BFloat16)
-        for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
-            t = idx // L
-            mLat[0, t, idx - t * L] = Float32(0.0)
-        for idx in cutlass.range(bx * THREADS + tid, M, G * THREADS):
-            mSsq[idx] = Float32(0.0)
+            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
 
         g = lane // 4
@@ -286,11 +308,6 @@ class MoEDownPipeKey:
         return 16 * self.warps
 
 
-def down_pipe_key(shape: MoEShape, **kw) -> MoEDownPipeKey:
-    """The default moe_down ring for a rank shape."""
-    return MoEDownPipeKey(shape, **kw)
-
-
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
     return PIPE_MAX_M
 
@@ -324,7 +341,7 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     from .moe import D
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s, pack_bf16x2
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
@@ -344,7 +361,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     assert I % SB == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
     assert RSH % (WARPS * RPWS) == 0
     SHQ = RSH // (WARPS * RPWS)  # shared rows per lane group
-    bulk, unpack, pack = bulk_g2s(), bf16x2_to_f32(), pack_bf16x2()
+    bulk, unpack = bulk_g2s(), bf16x2_to_f32()
 
     @cute.jit
     def issue(k: Int32, slot: Int32, ne: Int32, nact: Int32, mAct: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
@@ -397,12 +414,7 @@ def build_down_pipe(key: MoEDownPipeKey):
         total = ne + NSH
         lo = (bx * total) // G
         hi = ((bx + 1) * total) // G
-        for idx in cutlass.range(tid, nact, THREADS):
-            s_act[idx] = mAct[idx]
-            s_list[idx, 0] = mList[idx, 0]
-            s_list[idx, 1] = mList[idx, 1]
-        for idx in cutlass.range(tid, M * TOPK, THREADS):
-            s_tok[idx] = mTok[idx]
+        stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
         cute.arch.barrier()
         for idx in cutlass.range(tid, nact, THREADS):  # routing weight of every (expert, token) pair
             e = s_act[idx]
@@ -429,11 +441,8 @@ def build_down_pipe(key: MoEDownPipeKey):
         for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
             i = idx // (I // 8)
             o = idx - i * (I // 8)
-            lo8 = gA[(None, (i, o))].load().to(Float32)  # a[i, 8o .. 8o + 7] (exact in fp32)
-            s_a[i, 4 * o] = pack(lo8[0], lo8[4])
-            s_a[i, 4 * o + 1] = pack(lo8[2], lo8[6])
-            s_a[i, 4 * o + 2] = pack(lo8[1], lo8[5])
-            s_a[i, 4 * o + 3] = pack(lo8[3], lo8[7])
+            v = gA[(None, (i, o))].load().to(Float32)  # a[i, 8o .. 8o + 7] (exact in fp32)
+            store_b_order(s_a, i, o, [v[k] for k in range(8)])
         for idx in cutlass.range(tid, M * (S // 8), THREADS):
             t = idx // (S // 8)
             sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
@@ -562,7 +571,7 @@ def _aot_keys(kind: str):
         out = []
         for tp in (8, 16):
             s = shapes_for_tp(tp)
-            make = MoEUpPipeKey if kind == "up" else down_pipe_key
+            make = MoEUpPipeKey if kind == "up" else MoEDownPipeKey
             out.append(make(s, arch=arch))
             if tp == 8:
                 out.append(make(s, pdl=False, arch=arch))
@@ -576,4 +585,4 @@ DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key
                                       build=build_down_pipe, aot_keys=_aot_keys("down"),
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
-__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_key", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes"]
+__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes"]
