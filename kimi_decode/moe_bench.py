@@ -37,7 +37,7 @@ def make_moe_executor(name: str):
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
     base, _, variant = name.partition("@")
-    if base in ("fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup"):
+    if base in MOE_EXECUTORS:  # the fused ones (stock returned above)
         from .fused_moe import FusedMoE
         if variant:
             if base != "fused-direct":
