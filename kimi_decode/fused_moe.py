@@ -70,19 +70,25 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
 
     if experts not in EXPERT_KERNELS:
         raise ValueError(f"experts must be one of {EXPERT_KERNELS}, got {experts!r}")
-    if variant and experts != "direct":
-        raise ValueError("launch-shape variants apply to the direct expert kernels: pass experts='direct'")
-    up_kw, down_kw = km.parse_variant(variant) if variant else ({}, {})
+    if variant and experts == "pipe-up":
+        raise ValueError("variants apply to experts='direct' (launch shapes, e.g. w4r2-w4r4e4s4) or experts='pipe' "
+                         "(L2 prefetch, e.g. pf1-tail2048)")
+    direct_v = variant if experts == "direct" else None
+    pipe_v = variant if experts == "pipe" else None
+    up_kw, down_kw = km.parse_variant(direct_v) if direct_v else ({}, {})
+    pup_kw, pdown_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {})
     up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
     down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
     name = km.variant_name(up_key, down_key)
     cap = km.down_token_capacity(down_key)
     # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
     if experts != "direct" and tokens <= kp.PIPE_MAX_M:
-        up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch), experts
+        up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch, **pup_kw), experts
         if experts == "pipe":
-            down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch)
+            down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch, **pdown_kw)
             cap = kp.down_pipe_capacity(down_key)
+            if pipe_v:
+                name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
@@ -98,8 +104,9 @@ class FusedMoE:
         """separate_routing: route in a fifth launch (one CTA of 16 warps, one warp per token) instead of in
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
-        variant: the experts kernels' launch shape, e.g. 'w4r2-w4r4e4s4' (`kernels.moe.parse_variant`);
-        None: the defaults.
+        variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
+        (`kernels.moe.parse_variant`); with experts='pipe', what the pipelined kernels prefetch into L2 for the
+        launch after them, e.g. 'pf0-tail0' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults.
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
@@ -109,6 +116,7 @@ class FusedMoE:
         direct down, up to PIPE_MAX_M tokens)."""
         from . import compile as kc
         from .kernels import moe as km
+        from .kernels import moe_pipe as kp
 
         check_moe_input(weights, x)
         self.w, self.x = weights, x
@@ -172,6 +180,9 @@ class FusedMoE:
         from .byte_counts import expected_active_experts
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
+        # the pipelined kernels also take the next launch's weights, which they prefetch into L2
+        up_extra = (self.w2, self.s2, w.shared_down) if isinstance(up_key, kp.MoEUpPipeKey) else ()
+        down_extra = (w.up,) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
@@ -185,12 +196,13 @@ class FusedMoE:
             Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
                    act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
                    run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
-                                    self.tok, self.a, self.a_sh, self.lat, self.ssq)),
+                                    self.tok, self.a, self.a_sh, self.lat, self.ssq, *up_extra)),
             Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
                    act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm),
                    _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
                    run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.list, self.tok, self.we, self.lat,
-                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh, self.norm, self.ssq)),
+                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh, self.norm, self.ssq,
+                                    *down_extra)),
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
                    _nbytes(w.up, self.r, self.ssq, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
                    run=lambda: f[3](w.up, self.r, self.ssq, self.sh, self.coef, self.h)),

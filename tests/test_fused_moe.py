@@ -249,6 +249,34 @@ def test_fused_refuses_scales_outside_the_decode_range(w8):
         FusedMoE(w, moe_input(1, D, seed=0, device="cuda"))
 
 
+def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072))
+    for bad in ("pf2-tail0", "pf1-tail99999", "pf1", "fast"):
+        with pytest.raises(ValueError, match="pf1-tail2048"):
+            kp.parse_pipe_variant(bad)
+    s = km.shapes_for_tp(8)
+    up, down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
+    assert kp.pipe_variant_name(up, down) == "pf1-tail2048"
+    up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
+    for p in kp.TUNE_PF_UP:
+        assert kp.MoEUpPipeKey(s, prefetch_down=p) in up_keys
+    for n in kp.TUNE_PF_TAIL:
+        assert kp.MoEDownPipeKey(s, prefetch_tail_rows=n) in down_keys
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pf0-tail0", "pf1-tail3072"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fused_prefetch_variants_match_the_reference(w8, variant, batch):
+    """The L2 prefetches change no result: with and without them the step matches the reference."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch, D, seed=70 + batch, device="cuda")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
 def test_variant_names_parse_and_round_trip():
     from kimi_decode.kernels import moe as km
     up, down = km.parse_variant("w8r1-w4r8e2s8")
@@ -288,6 +316,8 @@ def test_moe_kernels_compile_for_sm90a(compiler, name):
     # programmatic dependent launch: the front lets the next launch start; the dependents wait before reading
     assert ("griddepcontrol.wait" in ptx) == (name != "moe_front")
     assert ("griddepcontrol.launch_dependents" in ptx) == (name != "moe_tail")
+    if name.endswith("_pipe"):  # the next launch's bytes are prefetched into L2 (moe_up: moe_down's; moe_down: the tail's)
+        assert "cp.async.bulk.prefetch.L2.global" in ptx
     if name.endswith("_pipe"):  # the persistent CTAs' shared memory (ring, accumulators) fits one per SM
         size = kp.up_pipe_smem_bytes(key) if name == "moe_up_pipe" else kp.down_pipe_smem_bytes(key)
         assert size + res["SHARED"] <= 227 * 1024, (name, size)
@@ -346,12 +376,14 @@ def test_launch_prefix_runs_the_first_k_launches():
 def test_moe_executor_names():
     from kimi_decode.moe_bench import make_moe_executor
     for name in ("stock", "fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup",
-                 "fused-direct@w4r2-w4r4e2s8"):
+                 "fused-direct@w4r2-w4r4e2s8", "fused@pf0-tail0"):
         assert callable(make_moe_executor(name))
     with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):
         make_moe_executor("fused-direct@fast")
-    with pytest.raises(ValueError, match="apply to fused-direct"):
+    with pytest.raises(ValueError, match="pf1-tail2048"):
         make_moe_executor("fused@w4r2-w4r4e2s8")
+    with pytest.raises(ValueError, match="variants apply to fused-direct"):
+        make_moe_executor("fused5@pf0-tail0")
     with pytest.raises(ValueError, match="must be one of"):
         make_moe_executor("marlin")
 
@@ -431,7 +463,12 @@ def test_expert_kernels_are_chosen_by_token_count_and_mode():
     assert kinds(1, experts="direct", variant="w4r2-w4r8e2s8")[2] == "w4r2-w4r8e2s8"
     with pytest.raises(ValueError, match="experts must be one of"):
         expert_kernel_keys(s, 1, experts="fast")
-    with pytest.raises(ValueError, match="apply to the direct"):
+    with pytest.raises(ValueError, match="pf1-tail2048"):  # a direct launch shape given to the pipelined kernels
         expert_kernel_keys(s, 1, variant="w4r2-w4r8e2s8")
+    with pytest.raises(ValueError, match="variants apply to"):
+        expert_kernel_keys(s, 1, experts="pipe-up", variant="pf0-tail0")
+    up, down, name = expert_kernel_keys(s, 1, variant="pf0-tail1024")
+    assert (up.prefetch_down, down.prefetch_tail_rows, name) == (False, 1024, "pipe@pf0-tail1024")
+    assert kinds(kp.PIPE_MAX_M + 1, variant="pf0-tail0")[:2] == ("MoEUpKey", "MoEDownKey")  # prefetch: pipelined only
     with pytest.raises(UnsupportedConfiguration, match="1..192"):
         expert_kernel_keys(s, 256, experts="direct", variant="w4r2-w4r16e2s4")

@@ -25,13 +25,16 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
+from .moe import D, E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
 H200_SMS = 132
 PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tables live in shared memory);
 # more tokens take the direct kernels of kernels/moe.py
+PF_CHUNK = 32768  # bytes per L2 prefetch instruction (cp.async.bulk.prefetch.L2)
+PF_MAX_ACTIVE = 32  # moe_up prefetches the active experts' W2 only up to this many (about 23 MB at TP8);
+# more would not stay in the 50 MB L2 next to moe_up's own bytes
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class MoEUpPipeKey:
     stages: int = 4  # ring slots (30464 B each at TP8); 6 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
+    # bring moe_down's bytes into L2 while this launch, bound by latency and issue rather than bandwidth, runs:
+    # the shared experts' down projection (before the wait) and, up to PF_MAX_ACTIVE active experts, their W2
+    prefetch_down: bool = True
     arch: str = "sm_90a"
 
 
@@ -146,7 +152,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bulk_g2s
+    from .ptx_ops import bulk_g2s, bulk_prefetch_l2
 
     sh = key.shape
     I = sh.inter
@@ -164,7 +170,13 @@ def build_up_pipe(key: MoEUpPipeKey):
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
     Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
-    bulk = bulk_g2s()
+    bulk, pf = bulk_g2s(), bulk_prefetch_l2()
+    PF = key.prefetch_down
+    W2_BYTES, S2_BYTES, SD_BYTES = L * I // 2, L * I // 32, D * sh.shared * 2  # one expert's W2, its scales; shared down
+    PF_W, PF_S = -(-W2_BYTES // PF_CHUNK), -(-S2_BYTES // PF_CHUNK)
+    PF_E = PF_W + PF_S  # prefetch chunks per active expert
+    PF_SD = -(-SD_BYTES // PF_CHUNK)
+    assert W2_BYTES % 16 == 0 and S2_BYTES % 16 == 0 and SD_BYTES % 16 == 0
 
     def issue(item, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base):
         """(one thread, traced inline) stream item's W1/W3 rows and scales into ring slot `slot`"""
@@ -183,7 +195,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                   mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor):
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                  mWd: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -201,7 +214,11 @@ def build_up_pipe(key: MoEUpPipeKey):
         s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
-        if const_expr(PDL):  # everything reads the routing tables
+        if const_expr(PF):  # the shared experts' down projection does not depend on the routing
+            if tid == 32:
+                for k in cutlass.range(bx, PF_SD, G):
+                    pf(mWd.iterator.toint() + Int64(k) * PF_CHUNK, cutlass.min(PF_CHUNK, SD_BYTES - k * PF_CHUNK))
+        if const_expr(PDL):  # everything else reads the routing tables
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         nact = mMeta[0]
@@ -215,6 +232,18 @@ def build_up_pipe(key: MoEUpPipeKey):
             for s in cutlass.range_constexpr(ST):
                 if bx + s * G < nitems:
                     issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+        if const_expr(PF):  # the active experts' W2 codes and scales, behind this CTA's first ring slots
+            if tid == 32:
+                npf = nact * PF_E if nact <= PF_MAX_ACTIVE else 0
+                for k in cutlass.range(bx, npf, G):
+                    j = k // PF_E
+                    r = k - j * PF_E
+                    e = Int64(s_act[j])
+                    if r < PF_W:
+                        pf(mW2.iterator.toint() + e * W2_BYTES + r * PF_CHUNK, cutlass.min(PF_CHUNK, W2_BYTES - r * PF_CHUNK))
+                    else:
+                        o = (r - PF_W) * PF_CHUNK
+                        pf(mS2.iterator.toint() + e * S2_BYTES + o, cutlass.min(PF_CHUNK, S2_BYTES - o))
         # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
         # zeroing this rank's latent accumulator
         gF = cute.zipped_divide(mF, (1, 4))
@@ -274,12 +303,26 @@ def build_up_pipe(key: MoEUpPipeKey):
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                 mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, stream):
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
+                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                mWd: cute.Tensor, stream):
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
-    args = expert_up_args(sh)
-    return up_host, args
+    return up_host, up_pipe_args(sh)
+
+
+def up_pipe_args(sh: MoEShape) -> tuple:
+    """Compile-time stand-ins of the pipelined moe_up's arguments: the direct kernel's (`moe.expert_up_args`),
+    then moe_down's weights it prefetches into L2 (W2 codes, W2 scales, shared down), then the stream."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Int32, Uint8
+
+    fake = cute.runtime.make_fake_compact_tensor
+    *head, stream = expert_up_args(sh)
+    I = sh.inter
+    return (*head, fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
+            fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
+            fake(BFloat16, (D, sh.shared), stride_order=(1, 0), assumed_align=16), stream)
 
 
 # --------------------------------------------------------------------------- moe_down
@@ -301,6 +344,9 @@ class MoEDownPipeKey:
     stages: int = 3  # ring slots (26112 B each at TP8); 7 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS
     pdl: bool = True
+    # the last rows of the tail's W_up brought into L2 while this launch runs (its own bytes are L2 hits after
+    # moe_up's prefetch); the tail's first rows are loaded by its own CTAs under PDL
+    prefetch_tail_rows: int = 2048
     arch: str = "sm_90a"
 
     @property
@@ -341,10 +387,15 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     from .moe import D
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s, bulk_prefetch_l2
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
+    PT = key.prefetch_tail_rows
+    assert 0 <= PT <= D
+    PT_BYTES = PT * L * 2
+    PT_N = -(-PT_BYTES // PF_CHUNK)
+    pf = bulk_prefetch_l2()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
     THREADS = 32 * WARPS
@@ -384,7 +435,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                     mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
-                    mNorm: cute.Tensor, mSsq: cute.Tensor):
+                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -431,6 +482,11 @@ def build_down_pipe(key: MoEDownPipeKey):
             for s in cutlass.range_constexpr(ST):
                 if lo + s < hi:
                     issue(lo + s, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+        if const_expr(PT > 0):  # the tail's last W_up rows into L2
+            if tid == 32:
+                base = mWup.iterator.toint() + Int64((D - PT) * L * 2)
+                for k in cutlass.range(bx, PT_N, G):
+                    pf(base + Int64(k) * PF_CHUNK, cutlass.min(PF_CHUNK, PT_BYTES - k * PF_CHUNK))
         for idx in cutlass.range(tid, MXT * RBD, THREADS):
             acc[idx // RBD, idx % RBD] = Float32(0.0)
         if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
@@ -555,15 +611,49 @@ def build_down_pipe(key: MoEDownPipeKey):
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                   mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
-                  mSsq: cute.Tensor, stream):
-        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq).launch(
-            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
+                  mSsq: cute.Tensor, mWup: cute.Tensor, stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
+                    mWup).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
+                                 use_pdl=PDL)
 
-    args = expert_down_args(sh, NBD)
-    return down_host, args
+    return down_host, down_pipe_args(sh, NBD)
+
+
+def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
+    """Compile-time stand-ins of the pipelined moe_down's arguments: the direct kernel's
+    (`moe.expert_down_args`), then the tail's W_up (whose last rows it prefetches into L2), then the stream."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+
+    *head, stream = expert_down_args(sh, row_blocks)
+    return (*head, cute.runtime.make_fake_compact_tensor(BFloat16, (D, L), stride_order=(1, 0), assumed_align=16),
+            stream)
 
 
 # --------------------------------------------------------------------------- registry
+
+
+# prefetch variants compiled ahead of time at TP8 for the on-GPU comparison (`kimi-decode moe --executors
+# fused@pf0-tail0,...`; see parse_pipe_variant)
+TUNE_PF_UP = (False,)
+TUNE_PF_TAIL = (0, 1024, 3072)
+
+
+def parse_pipe_variant(text: str) -> tuple[dict, dict]:
+    """'pf1-tail2048' -> (MoEUpPipeKey fields, MoEDownPipeKey fields): moe_up prefetches moe_down's bytes into
+    L2 (1) or not (0); moe_down prefetches the tail's last N W_up rows."""
+    import re
+
+    m = re.fullmatch(r"pf([01])-tail(\d+)", text)
+    if not m or not 0 <= int(m.group(2)) <= D:
+        raise ValueError(f"pipelined-kernel variant must look like pf1-tail2048 (moe_up prefetches moe_down's bytes: "
+                         f"1 or 0; moe_down prefetches the last 0..{D} rows of the tail's weight), got {text!r}")
+    return dict(prefetch_down=m.group(1) == "1"), dict(prefetch_tail_rows=int(m.group(2)))
+
+
+def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
+    tail = down.prefetch_tail_rows if isinstance(down, MoEDownPipeKey) else 0
+    return f"pf{int(up.prefetch_down)}-tail{tail}"
 
 
 def _aot_keys(kind: str):
@@ -575,6 +665,10 @@ def _aot_keys(kind: str):
             out.append(make(s, arch=arch))
             if tp == 8:
                 out.append(make(s, pdl=False, arch=arch))
+                if kind == "up":
+                    out += [MoEUpPipeKey(s, prefetch_down=p, arch=arch) for p in TUNE_PF_UP]
+                else:
+                    out += [MoEDownPipeKey(s, prefetch_tail_rows=n, arch=arch) for n in TUNE_PF_TAIL]
         return out
     return keys
 
@@ -585,4 +679,5 @@ DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key
                                       build=build_down_pipe, aot_keys=_aot_keys("down"),
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
-__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes"]
+__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes",
+           "parse_pipe_variant", "pipe_variant_name"]

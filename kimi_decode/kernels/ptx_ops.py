@@ -2,6 +2,10 @@
 
     bulk_g2s(dst, src, nbytes, mbar)   cp.async.bulk global -> shared, completing `nbytes` of the
                                        transaction count of the mbarrier at shared address `mbar`
+    bulk_prefetch_l2(src, nbytes)      cp.async.bulk.prefetch.L2: bring `nbytes` (a multiple of 16) at global
+                                       address `src` into L2 without waiting or using a register or shared
+                                       memory (a later launch's bytes, fetched while this one is not
+                                       bandwidth-bound)
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
@@ -34,6 +38,11 @@ def _ops():
             "r,l,r,r", loc, ip)
 
     @dsl_user_op
+    def bulk_prefetch_l2(src, nbytes, *, loc=None, ip=None):
+        asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+            "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
+
+    @dsl_user_op
     def mma_bf16(a, b, c, *, loc=None, ip=None):
         ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
                + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
@@ -57,12 +66,16 @@ def _ops():
         return (Float32(llvm.bitcast(T.f32(), lo.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)),
                 Float32(llvm.bitcast(T.f32(), hi.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)))
 
-    _OPS.update(bulk_g2s=bulk_g2s, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
     return _OPS
 
 
 def bulk_g2s():
     return _ops()["bulk_g2s"]
+
+
+def bulk_prefetch_l2():
+    return _ops()["bulk_prefetch_l2"]
 
 
 def mma_bf16():
