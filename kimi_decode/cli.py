@@ -112,6 +112,18 @@ def _add_run_args(p, tokens_help: str) -> None:
 def _cmd_moe(args) -> int:
     from .moe_bench import run_moe_breakdown, run_moe_sweep
 
+    if args.trace:
+        from .moe_trace import run_moe_trace, summarize_trace
+        if len(_ints(args.tps)) != 1:
+            raise SystemExit("--trace takes one --tps value")
+        exe = args.executors.split(",")
+        if len(exe) != 1 or exe[0].partition("@")[0] != "fused":
+            raise SystemExit("--trace times the pipelined kernels of one executor: --executors fused[@variant]")
+        df = run_moe_trace(_ints(args.tps)[0], _ints(args.batches), variant=exe[0].partition("@")[2] or None,
+                           replays=args.replays, out_csv=args.out, progress=not args.no_progress)
+        print(summarize_trace(df).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        return 0
+
     if args.breakdown:
         if len(_ints(args.tps)) != 1:
             raise SystemExit("--breakdown takes one --tps value")
@@ -245,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breakdown", action="store_true",
                    help="time the graph of each executor's first k launches, k = 1..n: what each launch adds "
                         "inside the graph (one --tps; tokens per sequence 1)")
+    p.add_argument("--trace", action="store_true",
+                   help="timeline of the pipelined expert kernels in the graph: per CTA, the time of each checkpoint "
+                        "(start, wait, staging, every item's slot arrival and completion, flushes, end); one --tps, "
+                        "--executors fused[@variant], batch x tokens <= 8")
     p.set_defaults(func=_cmd_moe)
 
     p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")

@@ -60,7 +60,7 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
 
 
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
-                       arch: str = "sm_90a"):
+                       arch: str = "sm_90a", trace: bool = False):
     """(moe_up key, moe_down key, variant name) of the fused MoE half for `tokens` tokens per step; refuses
     (before any launch) an unknown `experts`, a variant for the pipelined kernels, or more tokens than the
     chosen moe_down holds. See `FusedMoE` for what `experts` selects."""
@@ -76,22 +76,25 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
     direct_v = variant if experts == "direct" else None
     pipe_v = variant if experts == "pipe" else None
     up_kw, down_kw = km.parse_variant(direct_v) if direct_v else ({}, {})
-    pup_kw, pdown_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {})
+    pup_kw, pdown_kw, pfront_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {}, {})
     up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
     down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
     name = km.variant_name(up_key, down_key)
     cap = km.down_token_capacity(down_key)
     # the pipelined kernels keep activations and routing tables in shared memory: up to PIPE_MAX_M tokens
     if experts != "direct" and tokens <= kp.PIPE_MAX_M:
-        up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch, **pup_kw), experts
+        up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch, trace=trace, **pup_kw), experts
         if experts == "pipe":
-            down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch, **pdown_kw)
+            down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch, trace=trace, **pdown_kw)
             cap = kp.down_pipe_capacity(down_key)
             if pipe_v:
-                name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
+                name = f"pipe@{kp.pipe_variant_name(up_key, down_key, pfront_kw['prefetch_up'])}"
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
+    if trace and not (isinstance(up_key, kp.MoEUpPipeKey) and isinstance(down_key, kp.MoEDownPipeKey)):
+        raise UnsupportedConfiguration("timeline tracing", f"{name} kernels at {tokens} tokens",
+                                       f"the pipelined expert kernels (experts='pipe', 1..{kp.PIPE_MAX_M} tokens)")
     return up_key, down_key, name
 
 
@@ -100,7 +103,7 @@ class FusedMoE:
 
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
                  separate_routing: bool | None = None, variant: str | None = None, pdl: bool = True,
-                 experts: str = "pipe"):
+                 experts: str = "pipe", trace: bool = False):
         """separate_routing: route in a fifth launch (one CTA of 16 warps, one warp per token) instead of in
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
@@ -113,7 +116,10 @@ class FusedMoE:
         persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
         tokens take the direct ones), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
         registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
-        direct down, up to PIPE_MAX_M tokens)."""
+        direct down, up to PIPE_MAX_M tokens).
+        trace: the pipelined expert kernels' timeline builds, which record per-CTA checkpoints (%globaltimer and
+        %clock64) into `trace_up` / `trace_down` ([CTAs, 2, 32] int64, `kernels.moe_pipe.TRACE_UP` / `TRACE_DOWN`
+        name the slots; `moe_trace` reads them)."""
         from . import compile as kc
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
@@ -131,8 +137,11 @@ class FusedMoE:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
-                                                            arch=arch)
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)
+                                                            arch=arch, trace=trace)
+        # the front's routing CTA prefetches moe_up's bytes only for the pipelined kernels, when asked ('-front1')
+        front_pf = (experts == "pipe" and bool(variant) and N <= kp.PIPE_MAX_M and not separate_routing
+                    and kp.parse_pipe_variant(variant)[2]["prefetch_up"])
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, prefetch_up=front_pf, arch=arch)
         route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
@@ -181,14 +190,16 @@ class FusedMoE:
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
         # the pipelined kernels also take the next launch's weights, which they prefetch into L2
-        up_extra = (self.w2, self.s2, w.shared_down) if isinstance(up_key, kp.MoEUpPipeKey) else ()
-        down_extra = (w.up,) if isinstance(down_key, kp.MoEDownPipeKey) else ()
+        self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_SLOTS, dtype=torch.int64, device=dev)
+        self.trace_down = torch.zeros_like(self.trace_up)
+        up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
+        down_extra = (w.up, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
                    run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                    self.act, self.list, self.tok)),
+                                    self.act, self.list, self.tok, self.w1, self.s1, self.w3, self.s3)),
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,

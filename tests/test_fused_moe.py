@@ -252,13 +252,16 @@ def test_fused_refuses_scales_outside_the_decode_range(w8):
 def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
-    assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072))
-    for bad in ("pf2-tail0", "pf1-tail99999", "pf1", "fast"):
+    assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072),
+                                                     dict(prefetch_up=False))
+    assert kp.parse_pipe_variant("pf1-tail0-front1")[2] == dict(prefetch_up=True)
+    assert km.MoEFrontKey(km.shapes_for_tp(8), prefetch_up=True) in km.FRONT.aot_keys("sm_90a")
+    for bad in ("pf2-tail0", "pf1-tail99999", "pf1", "fast", "pf1-tail0-front2"):
         with pytest.raises(ValueError, match="pf1-tail2048"):
             kp.parse_pipe_variant(bad)
     s = km.shapes_for_tp(8)
     up, down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
-    assert kp.pipe_variant_name(up, down) == "pf1-tail2048"
+    assert kp.pipe_variant_name(up, down) == "pf0-tail0"
     up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
     for p in kp.TUNE_PF_UP:
         assert kp.MoEUpPipeKey(s, prefetch_down=p) in up_keys
@@ -266,8 +269,23 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
         assert kp.MoEDownPipeKey(s, prefetch_tail_rows=n) in down_keys
 
 
+def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
+    """The L2-prefetch variants (off by default) carry the bulk prefetch; the defaults do not."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    for key in (kp.MoEUpPipeKey(s, prefetch_down=True), kp.MoEDownPipeKey(s, prefetch_tail_rows=2048),
+                km.MoEFrontKey(s, prefetch_up=True)):
+        ptx = kc.ptx_text(key)
+        assert "cp.async.bulk.prefetch.L2.global" in ptx, key
+        assert kc.resource_usage(key)["STACK"] == 0, key
+    assert "createpolicy.fractional.L2::evict_last" in kc.ptx_text(km.MoEFrontKey(s, prefetch_up=True))
+    assert "prefetch.L2" not in kc.ptx_text(kp.MoEUpPipeKey(s))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pf0-tail0", "pf1-tail3072"])
+@pytest.mark.parametrize("variant", ["pf1-tail2048", "pf0-tail0-front1"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_prefetch_variants_match_the_reference(w8, variant, batch):
     """The L2 prefetches change no result: with and without them the step matches the reference."""
@@ -316,8 +334,6 @@ def test_moe_kernels_compile_for_sm90a(compiler, name):
     # programmatic dependent launch: the front lets the next launch start; the dependents wait before reading
     assert ("griddepcontrol.wait" in ptx) == (name != "moe_front")
     assert ("griddepcontrol.launch_dependents" in ptx) == (name != "moe_tail")
-    if name.endswith("_pipe"):  # the next launch's bytes are prefetched into L2 (moe_up: moe_down's; moe_down: the tail's)
-        assert "cp.async.bulk.prefetch.L2.global" in ptx
     if name.endswith("_pipe"):  # the persistent CTAs' shared memory (ring, accumulators) fits one per SM
         size = kp.up_pipe_smem_bytes(key) if name == "moe_up_pipe" else kp.down_pipe_smem_bytes(key)
         assert size + res["SHARED"] <= 227 * 1024, (name, size)
@@ -467,8 +483,8 @@ def test_expert_kernels_are_chosen_by_token_count_and_mode():
         expert_kernel_keys(s, 1, variant="w4r2-w4r8e2s8")
     with pytest.raises(ValueError, match="variants apply to"):
         expert_kernel_keys(s, 1, experts="pipe-up", variant="pf0-tail0")
-    up, down, name = expert_kernel_keys(s, 1, variant="pf0-tail1024")
-    assert (up.prefetch_down, down.prefetch_tail_rows, name) == (False, 1024, "pipe@pf0-tail1024")
+    up, down, name = expert_kernel_keys(s, 1, variant="pf1-tail1024")
+    assert (up.prefetch_down, down.prefetch_tail_rows, name) == (True, 1024, "pipe@pf1-tail1024")
     assert kinds(kp.PIPE_MAX_M + 1, variant="pf0-tail0")[:2] == ("MoEUpKey", "MoEDownKey")  # prefetch: pipelined only
     with pytest.raises(UnsupportedConfiguration, match="1..192"):
         expert_kernel_keys(s, 256, experts="direct", variant="w4r2-w4r16e2s4")

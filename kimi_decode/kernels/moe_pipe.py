@@ -33,6 +33,13 @@ H200_SMS = 132
 PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tables live in shared memory);
 # more tokens take the direct kernels of kernels/moe.py
 PF_CHUNK = 32768  # bytes per L2 prefetch instruction (cp.async.bulk.prefetch.L2)
+TRACE_SLOTS = 32  # checkpoints per CTA in a traced build (TRACE_UP / TRACE_DOWN name them)
+TRACE_ITEMS = 10  # items whose slot arrival and completion a traced build records
+TRACE_UP = ("start", "wait_done", "ring_issued", "staged") + tuple(
+    f"item{n}_{w}" for n in range(TRACE_ITEMS) for w in ("arrived", "done"))
+TRACE_DOWN = ("start", "ring_issued", "wait_done", "staged") + tuple(
+    f"item{n}_{w}" for n in range(TRACE_ITEMS) for w in ("arrived", "done")) + (
+    "flush_start", "flush_counted", "allreduce_done")
 PF_MAX_ACTIVE = 32  # moe_up prefetches the active experts' W2 only up to this many (about 23 MB at TP8);
 # more would not stay in the 50 MB L2 next to moe_up's own bytes
 
@@ -44,9 +51,10 @@ class MoEUpPipeKey:
     stages: int = 4  # ring slots (30464 B each at TP8); 6 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
-    # bring moe_down's bytes into L2 while this launch, bound by latency and issue rather than bandwidth, runs:
-    # the shared experts' down projection (before the wait) and, up to PF_MAX_ACTIVE active experts, their W2
-    prefetch_down: bool = True
+    # bring moe_down's bytes into L2 while this launch runs: the shared experts' down projection (before the
+    # wait) and, up to PF_MAX_ACTIVE active experts, their W2. Off: measured slower (run 15, docs/fused_moe.md)
+    prefetch_down: bool = False
+    trace: bool = False  # record per-CTA checkpoints (TRACE_UP) into the timeline buffer (kimi-decode moe --trace)
     arch: str = "sm_90a"
 
 
@@ -73,6 +81,26 @@ def ring_init():
 
         _RING_INIT = init
     return _RING_INIT
+
+
+def stamp(mTrace, bx, c):
+    """(traced inline, one thread) record checkpoint c of CTA bx: mTrace[bx, 0, c] = %globaltimer (ns),
+    mTrace[bx, 1, c] = %clock64. The last slot (TRACE_SLOTS - 1) is the CTA's end."""
+    from .ptx_ops import timestamps
+
+    ns, clk = timestamps()()
+    mTrace[bx, 0, c] = ns
+    mTrace[bx, 1, c] = clk
+
+
+def trace_arg():
+    """Compile-time stand-in of the pipelined kernels' timeline buffer: Int64 [CTAs, 2, TRACE_SLOTS] (written
+    only by builds with trace=True)."""
+    import cutlass.cute as cute
+    from cutlass import Int64
+
+    return cute.runtime.make_fake_compact_tensor(Int64, (H200_SMS, 2, TRACE_SLOTS), stride_order=(2, 1, 0),
+                                                 assumed_align=16)
 
 
 def store_b_order(dst, row, o, v):
@@ -172,6 +200,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
     bulk, pf = bulk_g2s(), bulk_prefetch_l2()
     PF = key.prefetch_down
+    TR = key.trace
     W2_BYTES, S2_BYTES, SD_BYTES = L * I // 2, L * I // 32, D * sh.shared * 2  # one expert's W2, its scales; shared down
     PF_W, PF_S = -(-W2_BYTES // PF_CHUNK), -(-S2_BYTES // PF_CHUNK)
     PF_E = PF_W + PF_S  # prefetch chunks per active expert
@@ -196,11 +225,14 @@ def build_up_pipe(key: MoEUpPipeKey):
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                   mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
                   mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
-                  mWd: cute.Tensor):
+                  mWd: cute.Tensor, mTrace: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 0)
         M = mF.shape[0]
         smem = cutlass.utils.SmemAllocator()
         ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2, RB_UP, WROW), stride=(2 * RB_UP * WROW, RB_UP * WROW, WROW, 1)),
@@ -221,6 +253,9 @@ def build_up_pipe(key: MoEUpPipeKey):
         if const_expr(PDL):  # everything else reads the routing tables
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 1)
         nact = mMeta[0]
         nitems = nact * NRB
         # the routing tables, once, into shared memory: no global round trip on an item's critical path
@@ -232,6 +267,8 @@ def build_up_pipe(key: MoEUpPipeKey):
             for s in cutlass.range_constexpr(ST):
                 if bx + s * G < nitems:
                     issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            if const_expr(TR):
+                stamp(mTrace, bx, 2)
         if const_expr(PF):  # the active experts' W2 codes and scales, behind this CTA's first ring slots
             if tid == 32:
                 npf = nact * PF_E if nact <= PF_MAX_ACTIVE else 0
@@ -256,6 +293,9 @@ def build_up_pipe(key: MoEUpPipeKey):
             store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
         shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 3)
 
         g = lane // 4
         c = lane - 4 * g
@@ -269,6 +309,9 @@ def build_up_pipe(key: MoEUpPipeKey):
             num = s_list[j, 1]  # <= M <= 8: one mma column per token
             t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
             cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+            if const_expr(TR):
+                if tid == 0 and n < TRACE_ITEMS:
+                    stamp(mTrace, bx, 4 + 2 * n)
             accs = []
             for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
                 acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -298,14 +341,20 @@ def build_up_pipe(key: MoEUpPipeKey):
                     if tk < num:
                         mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
             cute.arch.barrier()
+            if const_expr(TR):
+                if tid == 0 and n < TRACE_ITEMS:
+                    stamp(mTrace, bx, 5 + 2 * n)
             n = n + 1
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, TRACE_SLOTS - 1)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                 mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
                 mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
-                mWd: cute.Tensor, stream):
-        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd).launch(
+                mWd: cute.Tensor, mTrace: cute.Tensor, stream):
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
     return up_host, up_pipe_args(sh)
@@ -313,7 +362,8 @@ def build_up_pipe(key: MoEUpPipeKey):
 
 def up_pipe_args(sh: MoEShape) -> tuple:
     """Compile-time stand-ins of the pipelined moe_up's arguments: the direct kernel's (`moe.expert_up_args`),
-    then moe_down's weights it prefetches into L2 (W2 codes, W2 scales, shared down), then the stream."""
+    then moe_down's weights it may prefetch into L2 (W2 codes, W2 scales, shared down), the timeline buffer
+    (`trace_arg`), then the stream."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8
 
@@ -322,7 +372,7 @@ def up_pipe_args(sh: MoEShape) -> tuple:
     I = sh.inter
     return (*head, fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
             fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
-            fake(BFloat16, (D, sh.shared), stride_order=(1, 0), assumed_align=16), stream)
+            fake(BFloat16, (D, sh.shared), stride_order=(1, 0), assumed_align=16), trace_arg(), stream)
 
 
 # --------------------------------------------------------------------------- moe_down
@@ -344,9 +394,10 @@ class MoEDownPipeKey:
     stages: int = 3  # ring slots (26112 B each at TP8); 7 with one token's activations measured slower (run 14)
     ctas: int = H200_SMS
     pdl: bool = True
-    # the last rows of the tail's W_up brought into L2 while this launch runs (its own bytes are L2 hits after
-    # moe_up's prefetch); the tail's first rows are loaded by its own CTAs under PDL
-    prefetch_tail_rows: int = 2048
+    # the last rows of the tail's W_up brought into L2 while this launch runs (the tail's first rows are loaded
+    # by its own CTAs under PDL). 0: measured slower with it (run 15)
+    prefetch_tail_rows: int = 0
+    trace: bool = False  # record per-CTA checkpoints (TRACE_DOWN) into the timeline buffer
     arch: str = "sm_90a"
 
     @property
@@ -392,6 +443,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
     PT = key.prefetch_tail_rows
+    TR = key.trace
     assert 0 <= PT <= D
     PT_BYTES = PT * L * 2
     PT_N = -(-PT_BYTES // PF_CHUNK)
@@ -435,11 +487,14 @@ def build_down_pipe(key: MoEDownPipeKey):
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                     mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
-                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor):
+                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mTrace: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 0)
         M = mLat.shape[1]
         if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
             cute.arch.griddepcontrol_launch_dependents()
@@ -482,6 +537,8 @@ def build_down_pipe(key: MoEDownPipeKey):
             for s in cutlass.range_constexpr(ST):
                 if lo + s < hi:
                     issue(lo + s, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+            if const_expr(TR):
+                stamp(mTrace, bx, 1)
         if const_expr(PT > 0):  # the tail's last W_up rows into L2
             if tid == 32:
                 base = mWup.iterator.toint() + Int64((D - PT) * L * 2)
@@ -491,6 +548,9 @@ def build_down_pipe(key: MoEDownPipeKey):
             acc[idx // RBD, idx % RBD] = Float32(0.0)
         if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 2)
         gA = cute.zipped_divide(mA, (1, 8))
         gAs = cute.zipped_divide(mAsh, (1, 8))
         sAs = cute.zipped_divide(s_ash, (1, 8))
@@ -503,6 +563,9 @@ def build_down_pipe(key: MoEDownPipeKey):
             t = idx // (S // 8)
             sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, 3)
         g = lane // 4
         c = lane - 4 * g
         gW = cute.zipped_divide(ring_w, (1, 1, 4))
@@ -519,6 +582,9 @@ def build_down_pipe(key: MoEDownPipeKey):
                 pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
                 r0 = 16 * warp + g
                 cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
+                if const_expr(TR):
+                    if tid == 0 and k - lo < TRACE_ITEMS:
+                        stamp(mTrace, bx, 4 + 2 * (k - lo))
                 accs = []
                 for q in cutlass.range_constexpr(NSBD):
                     cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -539,11 +605,17 @@ def build_down_pipe(key: MoEDownPipeKey):
                         acc[t, r0] = acc[t, r0] + tot[x_] * w
                         acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
+                if const_expr(TR):
+                    if tid == 0 and k - lo < TRACE_ITEMS:
+                        stamp(mTrace, bx, 5 + 2 * (k - lo))
                 if tid == 0:
                     if k + ST < hi:
                         cute.arch.fence_view_async_shared()
                         issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if k + 1 == hi or k + 1 == ne or (k + 1) // nact != rb:  # last item of this row block here
+                    if const_expr(TR):
+                        if tid == 0:
+                            stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
                     for idx in cutlass.range(tid, M * RBD, THREADS):
                         t = idx // RBD
                         rl = idx - t * RBD
@@ -556,6 +628,8 @@ def build_down_pipe(key: MoEDownPipeKey):
                         mine = k + 1 - cutlass.max(lo, rb * nact)
                         old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
                         flag[0] = Int32(old + mine == nact)
+                        if const_expr(TR):
+                            stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
                     cute.arch.barrier()
                     if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
                         cute.arch.fence_acq_rel_gpu()
@@ -574,12 +648,17 @@ def build_down_pipe(key: MoEDownPipeKey):
                             acc[idx // RBD, idx % RBD] = Float32(0.0)
                         if tid == 0:
                             mCnt[rb] = Int32(0)  # re-arm for the next step
+                            if const_expr(TR):
+                                stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
                     cute.arch.barrier()
             else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
                 cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
+                if const_expr(TR):
+                    if tid == 0 and k - lo < TRACE_ITEMS:
+                        stamp(mTrace, bx, 4 + 2 * (k - lo))
                 for q in cutlass.range_constexpr(SHQ):
                     rr = (q * WARPS + warp) * RPWS + sgrp
                     wv = []
@@ -602,18 +681,24 @@ def build_down_pipe(key: MoEDownPipeKey):
                         if sgl == 0:
                             mSh[0, t, n0 + rr] = p.to(BFloat16)
                 cute.arch.barrier()
+                if const_expr(TR):
+                    if tid == 0 and k - lo < TRACE_ITEMS:
+                        stamp(mTrace, bx, 5 + 2 * (k - lo))
                 if tid == 0:
                     if k + ST < hi:
                         cute.arch.fence_view_async_shared()
                         issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+        if const_expr(TR):
+            if tid == 0:
+                stamp(mTrace, bx, TRACE_SLOTS - 1)
 
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                   mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
-                  mSsq: cute.Tensor, mWup: cute.Tensor, stream):
+                  mSsq: cute.Tensor, mWup: cute.Tensor, mTrace: cute.Tensor, stream):
         down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
-                    mWup).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
+                    mWup, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
                                  use_pdl=PDL)
 
     return down_host, down_pipe_args(sh, NBD)
@@ -621,13 +706,14 @@ def build_down_pipe(key: MoEDownPipeKey):
 
 def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
     """Compile-time stand-ins of the pipelined moe_down's arguments: the direct kernel's
-    (`moe.expert_down_args`), then the tail's W_up (whose last rows it prefetches into L2), then the stream."""
+    (`moe.expert_down_args`), then the tail's W_up (whose last rows it may prefetch into L2), the timeline
+    buffer (`trace_arg`), then the stream."""
     import cutlass.cute as cute
     from cutlass import BFloat16
 
     *head, stream = expert_down_args(sh, row_blocks)
     return (*head, cute.runtime.make_fake_compact_tensor(BFloat16, (D, L), stride_order=(1, 0), assumed_align=16),
-            stream)
+            trace_arg(), stream)
 
 
 # --------------------------------------------------------------------------- registry
@@ -635,25 +721,28 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 # prefetch variants compiled ahead of time at TP8 for the on-GPU comparison (`kimi-decode moe --executors
 # fused@pf0-tail0,...`; see parse_pipe_variant)
-TUNE_PF_UP = (False,)
-TUNE_PF_TAIL = (0, 1024, 3072)
+TUNE_PF_UP = (True,)
+TUNE_PF_TAIL = (2048,)
 
 
-def parse_pipe_variant(text: str) -> tuple[dict, dict]:
-    """'pf1-tail2048' -> (MoEUpPipeKey fields, MoEDownPipeKey fields): moe_up prefetches moe_down's bytes into
-    L2 (1) or not (0); moe_down prefetches the tail's last N W_up rows."""
+def parse_pipe_variant(text: str) -> tuple[dict, dict, dict]:
+    """'pf1-tail2048[-front1]' -> (MoEUpPipeKey fields, MoEDownPipeKey fields, moe.MoEFrontKey fields): moe_up
+    prefetches moe_down's bytes into L2 (1) or not (0); moe_down prefetches the tail's last N W_up rows; the
+    front kernel's routing CTA prefetches moe_up's bytes (1) or not (0, the default)."""
     import re
 
-    m = re.fullmatch(r"pf([01])-tail(\d+)", text)
+    m = re.fullmatch(r"pf([01])-tail(\d+)(?:-front([01]))?", text)
     if not m or not 0 <= int(m.group(2)) <= D:
-        raise ValueError(f"pipelined-kernel variant must look like pf1-tail2048 (moe_up prefetches moe_down's bytes: "
-                         f"1 or 0; moe_down prefetches the last 0..{D} rows of the tail's weight), got {text!r}")
-    return dict(prefetch_down=m.group(1) == "1"), dict(prefetch_tail_rows=int(m.group(2)))
+        raise ValueError(f"pipelined-kernel variant must look like pf1-tail2048 or pf1-tail2048-front1 (moe_up "
+                         f"prefetches moe_down's bytes: 1 or 0; moe_down prefetches the last 0..{D} rows of the "
+                         f"tail's weight; the front's routing CTA prefetches moe_up's bytes: 1 or 0), got {text!r}")
+    return (dict(prefetch_down=m.group(1) == "1"), dict(prefetch_tail_rows=int(m.group(2))),
+            dict(prefetch_up=m.group(3) == "1"))
 
 
-def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
+def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None", front_prefetch: bool = False) -> str:
     tail = down.prefetch_tail_rows if isinstance(down, MoEDownPipeKey) else 0
-    return f"pf{int(up.prefetch_down)}-tail{tail}"
+    return f"pf{int(up.prefetch_down)}-tail{tail}" + ("-front1" if front_prefetch else "")
 
 
 def _aot_keys(kind: str):
@@ -665,6 +754,7 @@ def _aot_keys(kind: str):
             out.append(make(s, arch=arch))
             if tp == 8:
                 out.append(make(s, pdl=False, arch=arch))
+                out.append(make(s, trace=True, arch=arch))  # the timeline build (kimi-decode moe --trace)
                 if kind == "up":
                     out += [MoEUpPipeKey(s, prefetch_down=p, arch=arch) for p in TUNE_PF_UP]
                 else:

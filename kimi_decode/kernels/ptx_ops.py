@@ -6,9 +6,13 @@
                                        address `src` into L2 without waiting or using a register or shared
                                        memory (a later launch's bytes, fetched while this one is not
                                        bandwidth-bound)
+    bulk_prefetch_l2_keep(src, nbytes) the same with the L2 eviction priority evict_last, for bytes that must
+                                       outlive other traffic streaming through L2 before they are read
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
+    timestamps() -> (ns, clk)          %globaltimer (ns, common to all SMs) and %clock64 (this SM's cycles),
+                                       read where the call stands (volatile), for kernel timelines
 
 Fragment layouts of mma.sync m16n8k16 (lane = 4·g + c): A a0a1 = row g, k 2c..2c+1; a2a3 = row g+8,
 k 2c..2c+1; a4a5 = row g, k 2c+8..2c+9; a6a7 = row g+8, k 2c+8..2c+9. B b0b1 = k 2c..2c+1, column g;
@@ -43,6 +47,12 @@ def _ops():
             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
 
     @dsl_user_op
+    def bulk_prefetch_l2_keep(src, nbytes, *, loc=None, ip=None):
+        asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, pol; }", "l,r", loc, ip)
+
+    @dsl_user_op
     def mma_bf16(a, b, c, *, loc=None, ip=None):
         ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
                + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
@@ -66,7 +76,14 @@ def _ops():
         return (Float32(llvm.bitcast(T.f32(), lo.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)),
                 Float32(llvm.bitcast(T.f32(), hi.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)))
 
-    _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    @dsl_user_op
+    def timestamps(*, loc=None, ip=None):
+        res = llvm.inline_asm(llvm.StructType.get_literal([T.i64(), T.i64()]), [],
+                              "mov.u64 $0, %globaltimer; mov.u64 $1, %clock64;", "=l,=l", has_side_effects=True,
+                              is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return tuple(Int64(llvm.extractvalue(T.i64(), res, [k], loc=loc, ip=ip)) for k in range(2))
+
+    _OPS.update(timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, bulk_prefetch_l2_keep=bulk_prefetch_l2_keep, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
     return _OPS
 
 
@@ -74,8 +91,16 @@ def bulk_g2s():
     return _ops()["bulk_g2s"]
 
 
+def timestamps():
+    return _ops()["timestamps"]
+
+
 def bulk_prefetch_l2():
     return _ops()["bulk_prefetch_l2"]
+
+
+def bulk_prefetch_l2_keep():
+    return _ops()["bulk_prefetch_l2_keep"]
 
 
 def mma_bf16():

@@ -1,0 +1,107 @@
+"""The timeline builds of the pipelined expert kernels and the code that reads them (kimi-decode moe --trace)."""
+
+import pytest
+import torch
+
+from kimi_decode.support import UnsupportedConfiguration
+
+
+class _FakeTraced:
+    """What trace_rows reads from a traced FusedMoE: two [CTAs, 2, 32] int64 buffers."""
+
+    def __init__(self, ctas=4):
+        from kimi_decode.kernels.moe_pipe import TRACE_SLOTS
+        self.trace_up = torch.zeros(ctas, 2, TRACE_SLOTS, dtype=torch.int64)
+        self.trace_down = torch.zeros_like(self.trace_up)
+
+
+def test_trace_rows_are_relative_to_the_earliest_up_start_and_skip_unreached_checkpoints():
+    from kimi_decode.moe_trace import trace_rows
+    ex = _FakeTraced()
+    for cta in range(4):
+        ex.trace_up[cta, 0, 0] = 1_000_000 + 100 * cta  # start
+        ex.trace_up[cta, 1, 0] = 5_000 + cta
+        ex.trace_up[cta, 0, 4] = 1_002_000 + 100 * cta  # item0_arrived
+        ex.trace_up[cta, 1, 4] = 9_000 + cta
+        ex.trace_up[cta, 0, 31] = 1_010_000  # end
+        ex.trace_down[cta, 0, 0] = 1_009_000
+        ex.trace_down[cta, 0, 26] = 1_020_000 if cta == 2 else 0  # allreduce_done: one CTA
+    rows = trace_rows(ex, copy=3)
+    up = [r for r in rows if r["kernel"] == "moe.up"]
+    assert {r["checkpoint"] for r in up} == {"start", "item0_arrived", "end"}
+    assert min(r["ns"] for r in up if r["checkpoint"] == "start") == 0
+    a = [r for r in up if r["checkpoint"] == "item0_arrived" and r["cta"] == 1][0]
+    assert (a["ns"], a["clk"], a["copy"]) == (2_100, 4_000, 3)
+    ar = [r for r in rows if r["checkpoint"] == "allreduce_done"]
+    assert len(ar) == 1 and ar[0]["cta"] == 2 and ar[0]["ns"] == 20_000
+
+
+def test_trace_rows_refuse_a_step_whose_kernels_recorded_nothing():
+    from kimi_decode.moe_trace import trace_rows
+    with pytest.raises(RuntimeError, match="recorded no start"):
+        trace_rows(_FakeTraced(), copy=0)
+
+
+def test_summary_takes_first_median_last_cta_then_the_median_over_copies():
+    import pandas as pd
+    from kimi_decode.moe_trace import summarize_trace
+    rows = []
+    for copy, shift in ((0, 0), (1, 1000), (2, 2000)):
+        for cta, ns in enumerate((1000, 2000, 6000)):
+            rows.append(dict(batch=1, kernel="moe.up", slot=0, checkpoint="start", copy=copy, ns=ns + shift))
+        rows.append(dict(batch=1, kernel="moe.down", slot=0, checkpoint="start", copy=copy, ns=9000))
+    s = summarize_trace(pd.DataFrame(rows))
+    up = s[(s.kernel == "moe.up")].iloc[0]
+    assert (up.first_us, up.median_us, up.last_us, up.ctas) == (2.0, 3.0, 7.0, 3)
+    assert list(s.kernel) == ["moe.up", "moe.down"]
+
+
+def test_tracing_is_refused_outside_the_pipelined_kernels():
+    from kimi_decode.fused_moe import expert_kernel_keys
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    up, down, _ = expert_kernel_keys(s, 8, trace=True)
+    assert up.trace and down.trace
+    for kw in (dict(tokens=kp.PIPE_MAX_M + 1), dict(tokens=1, experts="direct"), dict(tokens=1, experts="pipe-up")):
+        n = kw.pop("tokens")
+        with pytest.raises(UnsupportedConfiguration, match="timeline tracing"):
+            expert_kernel_keys(s, n, trace=True, **kw)
+    assert kp.MoEUpPipeKey(s, trace=True) in kp.UP_PIPE.aot_keys("sm_90a")
+    assert kp.MoEDownPipeKey(s, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
+
+
+def test_trace_builds_record_timestamps_without_spills(compiler):
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    for key in (kp.MoEUpPipeKey(s, trace=True), kp.MoEDownPipeKey(s, trace=True)):
+        ptx = kc.ptx_text(key)
+        assert "%globaltimer" in ptx and "%clock64" in ptx
+        assert kc.resource_usage(key)["STACK"] == 0
+    assert "%globaltimer" not in kc.ptx_text(kp.MoEUpPipeKey(s))  # the shipped builds record nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8])
+def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
+    from kimi_decode.config import ShardSpec
+    from kimi_decode.fused_moe import FusedMoE
+    from kimi_decode.kernels.moe_pipe import TRACE_SLOTS
+    from kimi_decode.moe_bench import check_moe, moe_input
+    from kimi_decode.weights import make_layer_weights
+    w = make_layer_weights("kda_moe", ShardSpec(tp=8), seed=0).to("cuda")
+    made = []
+
+    def make(wc, x):
+        made.append(FusedMoE(wc, x, trace=True))
+        return made[-1]
+
+    r = check_moe(make, w, moe_input(batch, 7168, seed=80 + batch, device="cuda"))
+    assert r["all_written"] and r["check_ok"], r
+    ex = made[-1]
+    for buf in (ex.trace_up, ex.trace_down):
+        start, end = buf[:, 0, 0], buf[:, 0, TRACE_SLOTS - 1]
+        assert bool((start > 0).all()) and bool((end >= start).all())
+    assert int(ex.trace_down[:, 0, 0].max()) > int(ex.trace_up[:, 0, 0].min())
