@@ -48,6 +48,8 @@ stage_cmd() {
     compile-tp8-mla) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --no-progress --out $M/compile_h200_tp8_mla.csv" ;;
     compile-tp8-mla-b64-32k) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --batches 64 --contexts 32768 --no-progress --out $M/compile_h200_tp8_mla_b64_32k.csv" ;;
     compile-tp16-min) echo "$KD sweep --executor compile --tps 16 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp16.csv" ;;
+    compile-tp16-b8-b32) echo "$KD sweep --executor compile --tps 16 --batches 8,32 --contexts 8192 --no-progress --out $M/compile_h200_tp16_b8_b32.csv" ;;
+    compile-tp16-mla-32k) echo "$KD sweep --executor compile --tps 16 --layers mla_moe --batches 1,8,32,64 --contexts 32768 --no-progress --out $M/compile_h200_tp16_mla_32k.csv" ;;
     compile-tp8-min) echo "$KD sweep --executor compile --tps 8 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp8.csv" ;;
     profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
     profile-cute) echo "for b in 1 64; do $KD profile --executor cute-kernels --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
