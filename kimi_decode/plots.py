@@ -350,3 +350,54 @@ def plot_executors_vs_batch(df, ax=None, title: str | None = None, part: str = "
     ax.legend(fontsize=8, frameon=False)
     ax.figure.tight_layout()
     return ax
+
+
+def plot_moe_trace(df, batch: int = 1, copy: int | None = None, ax=None, title: str | None = None):
+    """Timeline of the pipelined expert kernels inside the graph (`moe_trace.run_moe_trace` rows): one line per
+    CTA (moe_up above, moe_down below) from its start to its end; the wait for the previous launch, the staging,
+    and each item from its slot's arrival to its completion drawn as segments, so idle gaps show as thin line."""
+    d = df[df.batch == batch]
+    if d.empty:
+        raise ValueError(f"no trace rows for batch {batch}")
+    copy = int(d["copy"].min()) if copy is None else copy
+    d = d[d["copy"] == copy]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 6))
+    colors = {"wait": "0.75", "staging": "tab:orange", "item": "tab:blue", "flush": "tab:red"}
+    y, ticks, seen = 0, [], set()
+
+    def seg(y_, a, b, what):
+        ax.plot([a / 1e3, b / 1e3], [y_, y_], color=colors[what], lw=2.2, solid_capstyle="butt",
+                label=what if what not in seen else None)
+        seen.add(what)
+
+    for kernel in ("moe.up", "moe.down"):
+        k = d[d.kernel == kernel]
+        first = y
+        for cta, c in k.groupby("cta"):
+            t = dict(zip(c.checkpoint, c.ns))
+            if "start" in t and "end" in t:
+                ax.plot([t["start"] / 1e3, t["end"] / 1e3], [y, y], color="0.85", lw=0.6)
+            if "start" in t and "wait_done" in t:
+                seg(y, t["start"], t["wait_done"], "wait")
+            last = t.get("wait_done", t.get("start"))
+            if "staged" in t and last is not None:
+                seg(y, max(last, t.get("ring_issued", last)), t["staged"], "staging")
+            n = 0
+            while f"item{n}_arrived" in t and f"item{n}_done" in t:
+                seg(y, t[f"item{n}_arrived"], t[f"item{n}_done"], "item")
+                n += 1
+            if "flush_start" in t and "flush_counted" in t:
+                seg(y, t["flush_start"], t.get("allreduce_done", t["flush_counted"]), "flush")
+            y += 1
+        ticks.append(((first + y - 1) / 2, f"{kernel}\n({y - first} CTAs)"))
+        y += 8
+    ax.set_yticks([p for p, _ in ticks], [s for _, s in ticks])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs from the first moe_up CTA's start (%globaltimer)")
+    step = d.step_us_median.iloc[0] if "step_us_median" in d else None
+    ax.set_title(title or f"Pipelined expert kernels inside the graph, TP{int(d.tp.iloc[0])} batch {batch}, layer "
+                 f"copy {copy}" + (f" (whole step {step:.1f} µs)" if step else ""))
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    return ax

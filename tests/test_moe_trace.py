@@ -105,3 +105,24 @@ def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
         start, end = buf[:, 0, 0], buf[:, 0, TRACE_SLOTS - 1]
         assert bool((start > 0).all()) and bool((end >= start).all())
     assert int(ex.trace_down[:, 0, 0].max()) > int(ex.trace_up[:, 0, 0].min())
+
+
+def test_trace_plot_draws_one_line_per_cta_and_refuses_a_missing_batch():
+    import matplotlib
+    matplotlib.use("Agg")
+    import pandas as pd
+    from kimi_decode.plots import plot_moe_trace
+    rows = []
+    for kernel, ctas, t0 in (("moe.up", 3, 0), ("moe.down", 2, 9000)):
+        for cta in range(ctas):
+            for name, ns in (("start", t0), ("wait_done", t0 + 500), ("staged", t0 + 900),
+                             ("item0_arrived", t0 + 1200), ("item0_done", t0 + 2000), ("end", t0 + 2100)):
+                rows.append(dict(tp=8, batch=1, copy=0, kernel=kernel, cta=cta, checkpoint=name, ns=ns,
+                                 step_us_median=80.0))
+    df = pd.DataFrame(rows)
+    ax = plot_moe_trace(df)
+    assert [t.get_text().split("\n")[0] for t in ax.get_yticklabels()] == ["moe.up", "moe.down"]
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"wait", "staging", "item"}
+    assert "80.0 µs" in ax.get_title()
+    with pytest.raises(ValueError, match="batch 8"):
+        plot_moe_trace(df, batch=8)
