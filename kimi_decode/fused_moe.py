@@ -76,7 +76,7 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
     direct_v = variant if experts == "direct" else None
     pipe_v = variant if experts == "pipe" else None
     up_kw, down_kw = km.parse_variant(direct_v) if direct_v else ({}, {})
-    pup_kw, pdown_kw, pfront_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {}, {})
+    pup_kw, pdown_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {})
     up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
     down_key = km.MoEDownKey(shape, pdl=pdl, arch=arch, **down_kw)
     name = km.variant_name(up_key, down_key)
@@ -88,7 +88,7 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch, trace=trace, **pdown_kw)
             cap = kp.down_pipe_capacity(down_key)
             if pipe_v:
-                name = f"pipe@{kp.pipe_variant_name(up_key, down_key, pfront_kw['prefetch_up'])}"
+                name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
@@ -138,10 +138,7 @@ class FusedMoE:
         self.separate_routing = separate_routing
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
-        # the front's routing CTA prefetches moe_up's bytes only for the pipelined kernels, when asked ('-front1')
-        front_pf = (experts == "pipe" and bool(variant) and N <= kp.PIPE_MAX_M and not separate_routing
-                    and kp.parse_pipe_variant(variant)[2]["prefetch_up"])
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, prefetch_up=front_pf, arch=arch)
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)
         route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
@@ -199,7 +196,7 @@ class FusedMoE:
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
                    run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                    self.act, self.list, self.tok, self.w1, self.s1, self.w3, self.s3)),
+                                    self.act, self.list, self.tok)),
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,

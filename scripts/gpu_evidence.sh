@@ -36,7 +36,8 @@ stage_cmd() {
     moe-prefetch) echo "$KD moe --executors stock,fused,fused@pf0-tail0,fused@pf1-tail0,fused@pf0-tail2048,fused@pf1-tail1024,fused@pf1-tail3072 --tps 8 --batches 1,8 --no-progress --out $M/moe_prefetch_h200_tp8.csv" ;;
     moe-breakdown-prefetch) echo "$KD moe --breakdown --executors fused,fused@pf0-tail0 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_prefetch_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv" ;;
-    moe-front-prefetch) echo "$KD moe --executors stock,fused,fused@pf0-tail0-front1,fused@pf1-tail0-front1 --tps 8 --batches 1,8 --no-progress --out $M/moe_front_prefetch_h200_tp8.csv" ;;
+    moe-ring) echo "$KD moe --executors stock,fused,fused@contig-upearly4-downearly3,fused@upearly4-downearly3,fused@contig,fused@downearly2,fused-pipeup --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ring_h200_tp8.csv" ;;
+    moe-breakdown-ring) echo "$KD moe --breakdown --executors fused,fused@contig-upearly4-downearly3 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_ring_h200_tp8.csv" ;;
     moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;

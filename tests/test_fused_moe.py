@@ -252,17 +252,24 @@ def test_fused_refuses_scales_outside_the_decode_range(w8):
 def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
-    assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072),
-                                                     dict(prefetch_up=False))
-    assert kp.parse_pipe_variant("pf1-tail0-front1")[2] == dict(prefetch_up=True)
-    assert km.MoEFrontKey(km.shapes_for_tp(8), prefetch_up=True) in km.FRONT.aot_keys("sm_90a")
-    for bad in ("pf2-tail0", "pf1-tail99999", "pf1", "fast", "pf1-tail0-front2"):
+    assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072))
+    assert kp.parse_pipe_variant("contig") == ({}, dict(balanced=False))
+    assert kp.parse_pipe_variant("contig-upearly4-downearly3") == (dict(early_slots=4),
+                                                                   dict(balanced=False, early_slots=3))
+    for bad in ("pf2-tail0", "pf1-tail99999", "", "fast", "pf1-tail0-front1", "contig-", "upearly"):
         with pytest.raises(ValueError, match="pf1-tail2048"):
             kp.parse_pipe_variant(bad)
+    s8 = km.shapes_for_tp(8)
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s8, prefetch_down=True, early_slots=4),
+                                kp.MoEDownPipeKey(s8, prefetch_tail_rows=2048, balanced=False, early_slots=3)) == \
+        "upearly4-pf1-tail2048-contig-downearly3"
     s = km.shapes_for_tp(8)
     up, down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
-    assert kp.pipe_variant_name(up, down) == "pf0-tail0"
+    assert kp.pipe_variant_name(up, down) == "default"
     up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
+    for v in ("contig", "contig-upearly4-downearly3", "upearly4-downearly3", "downearly2"):  # the comparison runs
+        u, d = kp.parse_pipe_variant(v)
+        assert kp.MoEUpPipeKey(s, **u) in up_keys and kp.MoEDownPipeKey(s, **d) in down_keys, v
     for p in kp.TUNE_PF_UP:
         assert kp.MoEUpPipeKey(s, prefetch_down=p) in up_keys
     for n in kp.TUNE_PF_TAIL:
@@ -275,20 +282,18 @@ def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    for key in (kp.MoEUpPipeKey(s, prefetch_down=True), kp.MoEDownPipeKey(s, prefetch_tail_rows=2048),
-                km.MoEFrontKey(s, prefetch_up=True)):
+    for key in (kp.MoEUpPipeKey(s, prefetch_down=True), kp.MoEDownPipeKey(s, prefetch_tail_rows=2048)):
         ptx = kc.ptx_text(key)
         assert "cp.async.bulk.prefetch.L2.global" in ptx, key
         assert kc.resource_usage(key)["STACK"] == 0, key
-    assert "createpolicy.fractional.L2::evict_last" in kc.ptx_text(km.MoEFrontKey(s, prefetch_up=True))
     assert "prefetch.L2" not in kc.ptx_text(kp.MoEUpPipeKey(s))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pf1-tail2048", "pf0-tail0-front1"])
+@pytest.mark.parametrize("variant", ["pf1-tail2048", "contig-upearly4-downearly3", "downearly2"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_prefetch_variants_match_the_reference(w8, variant, batch):
-    """The L2 prefetches change no result: with and without them the step matches the reference."""
+    """The pipelined kernels' options (L2 prefetch, item split, ring start) change no result."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch, D, seed=70 + batch, device="cuda")
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)

@@ -79,9 +79,6 @@ class MoEFrontKey:
     shape: MoEShape
     m_tile: int = 1
     route: bool = True  # route in the CTA that finishes the router rows last (False: the GEMV alone)
-    # the routing CTA, once the experts are known, brings the active experts' W1/W3 codes and scales into L2
-    # (evict_last: the rest of the front's rows stream through L2 after it), up to PF_MAX_ACTIVE experts
-    prefetch_up: bool = False
     arch: str = "sm_90a"
 
 
@@ -412,9 +409,7 @@ def _make_route():
 def build_front(key: MoEFrontKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64, const_expr
-
-    from .ptx_ops import bulk_prefetch_l2_keep
+    from cutlass import Float32, Int32, const_expr
 
     sh = key.shape
     N, K, MT = sh.ncat, D, key.m_tile
@@ -425,18 +420,11 @@ def build_front(key: MoEFrontKey):
     SCALING = sh.scaling
     ROUTE = key.route
     assert E % R == 0 and N % R == 0
-    PF = key.prefetch_up and ROUTE
-    I = sh.inter
-    W_BYTES, S_BYTES = I * L // 2, I * L // 32  # one expert's W1 (or W3) codes, scales
-    PF_CHUNK, PF_MAX = 32768, 32
-    PF_W, PF_S = -(-W_BYTES // PF_CHUNK), -(-S_BYTES // PF_CHUNK)
-    PF_E = 2 * (PF_W + PF_S)
 
     @cute.kernel
     def front_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
                      mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
-                     mList: cute.Tensor, mTok: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
-                     mS3: cute.Tensor):
+                     mList: cute.Tensor, mTok: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         _, gy, _ = cute.arch.grid_dim()
@@ -469,48 +457,24 @@ def build_front(key: MoEFrontKey):
                                    WARPS, SCALING)
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
-                    if const_expr(PF):  # moe_up's bytes into L2 while the latent and shared rows stream
-                        cute.arch.barrier()  # this CTA's writes of the tables are visible to all its threads
-                        nact = mMeta[0]
-                        npf = nact * PF_E if nact <= PF_MAX else 0
-                        keep = bulk_prefetch_l2_keep()
-                        for k in cutlass.range(tid, npf, THREADS):
-                            j = k // PF_E
-                            r = k - j * PF_E
-                            e = Int64(mAct[j])
-                            half = r // (PF_W + PF_S)  # 0: W1, 1: W3
-                            q = r - half * (PF_W + PF_S)
-                            w1, w3 = mW1.iterator.toint(), mW3.iterator.toint()
-                            s1, s3 = mS1.iterator.toint(), mS3.iterator.toint()
-                            if q < PF_W:
-                                base = w1 + Int64(half) * (w3 - w1)
-                                keep(base + e * W_BYTES + q * PF_CHUNK, cutlass.min(PF_CHUNK, W_BYTES - q * PF_CHUNK))
-                            else:
-                                o = (q - PF_W) * PF_CHUNK
-                                base = s1 + Int64(half) * (s3 - s1)
-                                keep(base + e * S_BYTES + o, cutlass.min(PF_CHUNK, S_BYTES - o))
 
     @cute.jit
     def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
                    mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
-                   mList: cute.Tensor, mTok: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
-                   mS3: cute.Tensor, stream):
+                   mList: cute.Tensor, mTok: cute.Tensor, stream):
         M = mX.shape[0]
-        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, mW1, mS1, mW3, mS3).launch(
+        front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
             smem=4 * WARPS * RM + route_smem_bytes(WARPS), stream=stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
-    from cutlass import BFloat16, Uint8
-    w = fake(Int32, (E, I, L // 8), stride_order=(2, 1, 0), assumed_align=16)
-    s = fake(Uint8, (E, I, L // 32), stride_order=(2, 1, 0), assumed_align=16)
-    *routing, stream = _routing_fakes(m)
+    from cutlass import BFloat16
     args = (
         fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16),
-        *routing, w, s, w, s, stream,  # W1 codes/scales, W3 codes/scales: what the routing CTA may prefetch
+        *_routing_fakes(m),
     )
     return front_host, args
 
@@ -984,8 +948,6 @@ def aot_keys_for(kind: str):
             s = shapes_for_tp(tp)
             if kind == "front":
                 out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
-                if tp == 8:
-                    out.append(MoEFrontKey(s, prefetch_up=True, arch=arch))
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch)] + ([MoERouteKey(s, pdl=False, arch=arch)] if tp == 8 else [])
             elif kind == "up":

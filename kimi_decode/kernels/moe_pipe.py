@@ -55,6 +55,9 @@ class MoEUpPipeKey:
     # wait) and, up to PF_MAX_ACTIVE active experts, their W2. Off: measured slower (run 15, docs/fused_moe.md)
     prefetch_down: bool = False
     trace: bool = False  # record per-CTA checkpoints (TRACE_UP) into the timeline buffer (kimi-decode moe --trace)
+    # ring slots requested before z is staged; the others after. The staging loads queue behind whatever bulk
+    # data is already on its way to the SM: with all 4 slots first (run 13) staging took about 3 µs (run 16)
+    early_slots: int = 1
     arch: str = "sm_90a"
 
 
@@ -201,6 +204,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     bulk, pf = bulk_g2s(), bulk_prefetch_l2()
     PF = key.prefetch_down
     TR = key.trace
+    EARLY = key.early_slots
+    assert 0 <= EARLY <= ST
     W2_BYTES, S2_BYTES, SD_BYTES = L * I // 2, L * I // 32, D * sh.shared * 2  # one expert's W2, its scales; shared down
     PF_W, PF_S = -(-W2_BYTES // PF_CHUNK), -(-S2_BYTES // PF_CHUNK)
     PF_E = PF_W + PF_S  # prefetch chunks per active expert
@@ -264,7 +269,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:
-            for s in cutlass.range_constexpr(ST):
+            for s in cutlass.range_constexpr(EARLY):
                 if bx + s * G < nitems:
                     issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if const_expr(TR):
@@ -293,8 +298,11 @@ def build_up_pipe(key: MoEUpPipeKey):
             store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
         shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
-        if const_expr(TR):
-            if tid == 0:
+        if tid == 0:  # the rest of the ring, now that z is in
+            for s in cutlass.range_constexpr(EARLY, ST):
+                if bx + s * G < nitems:
+                    issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            if const_expr(TR):
                 stamp(mTrace, bx, 3)
 
         g = lane // 4
@@ -398,6 +406,11 @@ class MoEDownPipeKey:
     # by its own CTAs under PDL). 0: measured slower with it (run 15)
     prefetch_tail_rows: int = 0
     trace: bool = False  # record per-CTA checkpoints (TRACE_DOWN) into the timeline buffer
+    # ring slots requested before the wait for moe_up (the rest after a is staged; see MoEUpPipeKey.early_slots)
+    early_slots: int = 1
+    # each CTA takes an equal share of the expert items and of the shared items (False: one contiguous run of
+    # both, which at batch 1 left the expert items, about 5x the arithmetic of a shared one, to half the CTAs)
+    balanced: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -444,6 +457,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     I, S, TP = sh.inter, sh.shared, sh.tp
     PT = key.prefetch_tail_rows
     TR = key.trace
+    BAL = key.balanced
+    EARLY = key.early_slots
+    assert 0 <= EARLY <= key.stages
     assert 0 <= PT <= D
     PT_BYTES = PT * L * 2
     PT_N = -(-PT_BYTES // PF_CHUNK)
@@ -517,9 +533,25 @@ def build_down_pipe(key: MoEDownPipeKey):
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
         ne = NBD * nact
-        total = ne + NSH
-        lo = (bx * total) // G
-        hi = ((bx + 1) * total) // G
+        # this CTA's items: a run of expert items [lo_e, hi_e) then a run of shared items [lo_s, hi_s)
+        if const_expr(BAL):  # every CTA an equal share of each kind (expert items cost far more arithmetic)
+            lo_e = (bx * ne) // G
+            hi_e = ((bx + 1) * ne) // G
+            lo_s = (bx * NSH) // G
+            hi_s = ((bx + 1) * NSH) // G
+        else:  # one contiguous run of (expert items, then shared items)
+            lo = (bx * (ne + NSH)) // G
+            hi = ((bx + 1) * (ne + NSH)) // G
+            lo_e = cutlass.min(lo, ne)
+            hi_e = cutlass.min(hi, ne)
+            lo_s = cutlass.max(lo, ne) - ne
+            hi_s = cutlass.max(hi, ne) - ne
+        n_e = hi_e - lo_e
+        n_items = n_e + hi_s - lo_s
+
+        # the CTA's i-th item as a global item index (expert items first, then shared ones):
+        # lo_e + i + (i >= n_e) * jump
+        jump = ne + lo_s - hi_e
         stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
         cute.arch.barrier()
         for idx in cutlass.range(tid, nact, THREADS):  # routing weight of every (expert, token) pair
@@ -534,9 +566,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                if lo + s < hi:
-                    issue(lo + s, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+            for s in cutlass.range_constexpr(EARLY):
+                if s < n_items:
+                    issue(lo_e + s + Int32(s >= n_e) * jump, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 1)
         if const_expr(PT > 0):  # the tail's last W_up rows into L2
@@ -563,8 +595,11 @@ def build_down_pipe(key: MoEDownPipeKey):
             t = idx // (S // 8)
             sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
-        if const_expr(TR):
-            if tid == 0:
+        if tid == 0:  # the rest of the ring, now that a is in
+            for s in cutlass.range_constexpr(EARLY, ST):
+                if s < n_items:
+                    issue(lo_e + s + Int32(s >= n_e) * jump, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+            if const_expr(TR):
                 stamp(mTrace, bx, 3)
         g = lane // 4
         c = lane - 4 * g
@@ -572,8 +607,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         sA = cute.zipped_divide(s_a, (1, 4))
         gW4 = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1))),
                                  (1, 4))
-        for k in cutlass.range(lo, hi):
-            slot = (k - lo) % ST
+        for i in cutlass.range(n_items):
+            k = lo_e + i + Int32(i >= n_e) * jump
+            slot = i % ST
             if k < ne:
                 rb = k // nact
                 jj = k - rb * nact
@@ -581,10 +617,10 @@ def build_down_pipe(key: MoEDownPipeKey):
                 num = s_list[jj, 1]
                 pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
                 r0 = 16 * warp + g
-                cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
+                cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                 if const_expr(TR):
-                    if tid == 0 and k - lo < TRACE_ITEMS:
-                        stamp(mTrace, bx, 4 + 2 * (k - lo))
+                    if tid == 0 and i < TRACE_ITEMS:
+                        stamp(mTrace, bx, 4 + 2 * i)
                 accs = []
                 for q in cutlass.range_constexpr(NSBD):
                     cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -606,13 +642,13 @@ def build_down_pipe(key: MoEDownPipeKey):
                         acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
                 if const_expr(TR):
-                    if tid == 0 and k - lo < TRACE_ITEMS:
-                        stamp(mTrace, bx, 5 + 2 * (k - lo))
+                    if tid == 0 and i < TRACE_ITEMS:
+                        stamp(mTrace, bx, 5 + 2 * i)
                 if tid == 0:
-                    if k + ST < hi:
+                    if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
-                        issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
-                if k + 1 == hi or k + 1 == ne or (k + 1) // nact != rb:  # last item of this row block here
+                        issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                     if const_expr(TR):
                         if tid == 0:
                             stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
@@ -625,7 +661,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.barrier()
                     if tid == 0:
-                        mine = k + 1 - cutlass.max(lo, rb * nact)
+                        mine = k + 1 - cutlass.max(lo_e, rb * nact)
                         old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
                         flag[0] = Int32(old + mine == nact)
                         if const_expr(TR):
@@ -655,10 +691,10 @@ def build_down_pipe(key: MoEDownPipeKey):
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
-                cute.arch.mbarrier_wait(bars.iterator + slot, ((k - lo) // ST) % 2)
+                cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                 if const_expr(TR):
-                    if tid == 0 and k - lo < TRACE_ITEMS:
-                        stamp(mTrace, bx, 4 + 2 * (k - lo))
+                    if tid == 0 and i < TRACE_ITEMS:
+                        stamp(mTrace, bx, 4 + 2 * i)
                 for q in cutlass.range_constexpr(SHQ):
                     rr = (q * WARPS + warp) * RPWS + sgrp
                     wv = []
@@ -682,12 +718,12 @@ def build_down_pipe(key: MoEDownPipeKey):
                             mSh[0, t, n0 + rr] = p.to(BFloat16)
                 cute.arch.barrier()
                 if const_expr(TR):
-                    if tid == 0 and k - lo < TRACE_ITEMS:
-                        stamp(mTrace, bx, 5 + 2 * (k - lo))
+                    if tid == 0 and i < TRACE_ITEMS:
+                        stamp(mTrace, bx, 5 + 2 * i)
                 if tid == 0:
-                    if k + ST < hi:
+                    if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
-                        issue(k + ST, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                        issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
@@ -725,24 +761,47 @@ TUNE_PF_UP = (True,)
 TUNE_PF_TAIL = (2048,)
 
 
-def parse_pipe_variant(text: str) -> tuple[dict, dict, dict]:
-    """'pf1-tail2048[-front1]' -> (MoEUpPipeKey fields, MoEDownPipeKey fields, moe.MoEFrontKey fields): moe_up
-    prefetches moe_down's bytes into L2 (1) or not (0); moe_down prefetches the tail's last N W_up rows; the
-    front kernel's routing CTA prefetches moe_up's bytes (1) or not (0, the default)."""
+def parse_pipe_variant(text: str) -> tuple[dict, dict]:
+    """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
+    Options: pf0/pf1 (moe_up prefetches moe_down's bytes into L2; default 0), tailN (moe_down prefetches the
+    tail's last N W_up rows; default 0), contig (moe_down's items as one contiguous run per CTA instead of
+    balanced runs), upearlyN / downearlyN (ring slots requested before the staging; default 1).
+    E.g. 'pf1-tail2048', 'contig-upearly4-downearly3' (run 13's kernels)."""
     import re
 
-    m = re.fullmatch(r"pf([01])-tail(\d+)(?:-front([01]))?", text)
-    if not m or not 0 <= int(m.group(2)) <= D:
-        raise ValueError(f"pipelined-kernel variant must look like pf1-tail2048 or pf1-tail2048-front1 (moe_up "
-                         f"prefetches moe_down's bytes: 1 or 0; moe_down prefetches the last 0..{D} rows of the "
-                         f"tail's weight; the front's routing CTA prefetches moe_up's bytes: 1 or 0), got {text!r}")
-    return (dict(prefetch_down=m.group(1) == "1"), dict(prefetch_tail_rows=int(m.group(2))),
-            dict(prefetch_up=m.group(3) == "1"))
+    up, down = {}, {}
+    for tok in text.split("-") if text else ["?"]:
+        if m := re.fullmatch(r"pf([01])", tok):
+            up["prefetch_down"] = m.group(1) == "1"
+        elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
+            down["prefetch_tail_rows"] = int(m.group(1))
+        elif tok == "contig":
+            down["balanced"] = False
+        elif m := re.fullmatch(r"(up|down)early(\d)", tok):
+            (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
+        else:
+            raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pf0/pf1 (moe_up prefetches "
+                             f"moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
+                             f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring slots "
+                             f"requested before the staging), e.g. pf1-tail2048; got {text!r}")
+    return up, down
 
 
-def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None", front_prefetch: bool = False) -> str:
-    tail = down.prefetch_tail_rows if isinstance(down, MoEDownPipeKey) else 0
-    return f"pf{int(up.prefetch_down)}-tail{tail}" + ("-front1" if front_prefetch else "")
+def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
+    """The options of `parse_pipe_variant` that differ from the defaults ('default' if none)."""
+    parts = []
+    if up.prefetch_down:
+        parts.append("pf1")
+    if isinstance(down, MoEDownPipeKey):
+        if down.prefetch_tail_rows:
+            parts.append(f"tail{down.prefetch_tail_rows}")
+        if not down.balanced:
+            parts.append("contig")
+        if down.early_slots != MoEDownPipeKey.early_slots:
+            parts.append(f"downearly{down.early_slots}")
+    if up.early_slots != MoEUpPipeKey.early_slots:
+        parts.insert(0, f"upearly{up.early_slots}")
+    return "-".join(parts) or "default"
 
 
 def _aot_keys(kind: str):
@@ -757,8 +816,12 @@ def _aot_keys(kind: str):
                 out.append(make(s, trace=True, arch=arch))  # the timeline build (kimi-decode moe --trace)
                 if kind == "up":
                     out += [MoEUpPipeKey(s, prefetch_down=p, arch=arch) for p in TUNE_PF_UP]
+                    out.append(MoEUpPipeKey(s, early_slots=4, arch=arch))  # run 13's ring start
                 else:
                     out += [MoEDownPipeKey(s, prefetch_tail_rows=n, arch=arch) for n in TUNE_PF_TAIL]
+                    out.append(MoEDownPipeKey(s, balanced=False, arch=arch))  # the run-13 split, for comparison
+                    out += [MoEDownPipeKey(s, early_slots=e, arch=arch) for e in (2, 3)]
+                    out.append(MoEDownPipeKey(s, balanced=False, early_slots=3, arch=arch))  # run 13's moe_down
         return out
     return keys
 

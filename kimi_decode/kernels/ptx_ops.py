@@ -6,8 +6,6 @@
                                        address `src` into L2 without waiting or using a register or shared
                                        memory (a later launch's bytes, fetched while this one is not
                                        bandwidth-bound)
-    bulk_prefetch_l2_keep(src, nbytes) the same with the L2 eviction priority evict_last, for bytes that must
-                                       outlive other traffic streaming through L2 before they are read
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
@@ -47,12 +45,6 @@ def _ops():
             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
 
     @dsl_user_op
-    def bulk_prefetch_l2_keep(src, nbytes, *, loc=None, ip=None):
-        asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, pol; }", "l,r", loc, ip)
-
-    @dsl_user_op
     def mma_bf16(a, b, c, *, loc=None, ip=None):
         ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
                + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
@@ -83,7 +75,7 @@ def _ops():
                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
         return tuple(Int64(llvm.extractvalue(T.i64(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
-    _OPS.update(timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, bulk_prefetch_l2_keep=bulk_prefetch_l2_keep, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    _OPS.update(timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
     return _OPS
 
 
@@ -97,10 +89,6 @@ def timestamps():
 
 def bulk_prefetch_l2():
     return _ops()["bulk_prefetch_l2"]
-
-
-def bulk_prefetch_l2_keep():
-    return _ops()["bulk_prefetch_l2_keep"]
 
 
 def mma_bf16():
