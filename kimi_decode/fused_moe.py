@@ -62,8 +62,8 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
                        arch: str = "sm_90a", trace: bool = False):
     """(moe_up key, moe_down key, variant name) of the fused MoE half for `tokens` tokens per step; refuses
-    (before any launch) an unknown `experts`, a variant for the pipelined kernels, or more tokens than the
-    chosen moe_down holds. See `FusedMoE` for what `experts` selects."""
+    (before any launch) an unknown `experts`, a variant for 'pipe-up', a trace outside the pipelined kernels, or
+    more tokens than the chosen moe_down holds. See `FusedMoE` for what `experts` selects."""
     from .kernels import moe as km
     from .kernels import moe_pipe as kp
     from .support import UnsupportedConfiguration
@@ -186,7 +186,8 @@ class FusedMoE:
         from .byte_counts import expected_active_experts
         act = expected_active_experts(weights.cfg, N)
         f = self._fns
-        # the pipelined kernels also take the next launch's weights, which they prefetch into L2
+        # the pipelined kernels also take the next launch's weights (which they may prefetch into L2) and a
+        # timeline buffer (written only by their trace builds)
         self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_SLOTS, dtype=torch.int64, device=dev)
         self.trace_down = torch.zeros_like(self.trace_up)
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()

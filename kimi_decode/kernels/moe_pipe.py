@@ -549,8 +549,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         n_e = hi_e - lo_e
         n_items = n_e + hi_s - lo_s
 
-        # the CTA's i-th item as a global item index (expert items first, then shared ones):
-        # lo_e + i + (i >= n_e) * jump
+        # the CTA's i-th item as a global item index (expert items first, then shared ones) is
+        # lo_e + i + (i >= n_e) * jump, written out at its four uses: a helper closing over Int32 is refused by
+        # the DSL (closure capture) and a module-level one recursed in its preprocessor
         jump = ne + lo_s - hi_e
         stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
         cute.arch.barrier()
