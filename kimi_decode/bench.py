@@ -18,6 +18,7 @@ import ctypes
 import datetime
 import os
 import platform
+import re
 import statistics
 import subprocess
 from dataclasses import dataclass
@@ -35,8 +36,7 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def graph_node_counts(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
-    """Node types of a captured graph (needs `CUDAGraph(keep_graph=True)`), e.g. {'kernel': 22, 'empty': 4}."""
+def _graph_nodes(graph: torch.cuda.CUDAGraph) -> list[int]:
     lib = _libcuda()
     handle = ctypes.c_void_p(graph.raw_cuda_graph())
     n = ctypes.c_size_t(0)
@@ -47,15 +47,88 @@ def graph_node_counts(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
     rc = lib.cuGraphGetNodes(handle, nodes, ctypes.byref(n))
     if rc != 0:
         raise RuntimeError(f"cuGraphGetNodes failed with CUresult {rc}")
-    counts: dict[str, int] = {}
+    return list(nodes)
+
+
+def _node_type(lib, node) -> str:
     t = ctypes.c_int(0)
-    for node in nodes:
-        rc = lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
-        if rc != 0:
-            raise RuntimeError(f"cuGraphNodeGetType failed with CUresult {rc}")
-        name = _NODE_TYPES.get(t.value, f"type{t.value}")
+    rc = lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
+    if rc != 0:
+        raise RuntimeError(f"cuGraphNodeGetType failed with CUresult {rc}")
+    return _NODE_TYPES.get(t.value, f"type{t.value}")
+
+
+def graph_node_counts(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """Node types of a captured graph (needs `CUDAGraph(keep_graph=True)`), e.g. {'kernel': 22, 'empty': 4}."""
+    lib = _libcuda()
+    counts: dict[str, int] = {}
+    for node in _graph_nodes(graph):
+        name = _node_type(lib, node)
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+class KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h, CUDA 12+)."""
+    _fields_ = [("func", ctypes.c_void_p),
+                ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint),
+                ("kernelParams", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
+def graph_kernel_names(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """The (mangled) function name of every kernel node of a captured graph, in the graph's node order.
+
+    Read with cuGraphKernelNodeGetParams_v2 and cuFuncGetName (or cuKernelGetName for a library kernel);
+    a node whose name the driver does not give back is listed as '?'."""
+    lib = _libcuda()
+    names = []
+    for node in _graph_nodes(graph):
+        if _node_type(lib, node) != "kernel":
+            continue
+        p = KernelNodeParams()
+        rc = lib.cuGraphKernelNodeGetParams_v2(ctypes.c_void_p(node), ctypes.byref(p))
+        if rc != 0:
+            raise RuntimeError(f"cuGraphKernelNodeGetParams_v2 failed with CUresult {rc}")
+        name = ctypes.c_char_p()
+        ok = False
+        if p.func:
+            ok = lib.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(p.func)) == 0
+        if not ok and p.kern:
+            ok = lib.cuKernelGetName(ctypes.byref(name), ctypes.c_void_p(p.kern)) == 0
+        names.append(name.value.decode(errors="replace") if ok and name.value else "?")
+    return names
+
+
+def short_kernel_name(name: str) -> str:
+    """The kernel's own identifier from a mangled or demangled name: '_Z19splitKreduce_kernelILi32E...'
+    -> 'splitKreduce_kernel', 'void cutlass::Kernel2<...>(...)' -> 'Kernel2', 'triton_kernel' -> itself."""
+    if name.startswith("_Z"):
+        s = name[2:]
+        if s.startswith("N"):  # nested name: take the last source name before 'E' / template args
+            s, last = s[1:], ""
+            while s and s[0].isdigit():
+                m = re.match(r"(\d+)", s)
+                k = int(m.group(1))
+                last, s = s[len(m.group(1)):len(m.group(1)) + k], s[len(m.group(1)) + k:]
+                if s.startswith("I"):  # template args of a component: stop at the first
+                    break
+            return last or name
+        m = re.match(r"(\d+)", s)
+        if m:
+            return s[len(m.group(1)):len(m.group(1)) + int(m.group(1))]
+        return name
+    base = name.split("(")[0].split("<")[0].strip()
+    return base.split()[-1].split("::")[-1] if base else name
+
+
+def is_library_helper(name: str) -> bool:
+    """True for a kernel that a library launches as part of one logical op rather than an op of its own:
+    cuBLAS's split-K reduction, which follows a GEMM that cuBLAS chose to split along K. The inventory
+    counts that GEMM once (one launch per vLLM op, as the layer contract's section 9 does)."""
+    return "splitkreduce" in name.lower()
 
 
 def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> float:
@@ -82,8 +155,15 @@ class GraphTiming:
     us_p90: float
     replays: int
     copies: int
-    kernels_per_layer: float
+    kernels_per_layer: float  # every kernel node of the graph / copies
     node_counts: dict
+    helper_kernels_per_layer: float = float("nan")  # of which library helpers (cuBLAS split-K reduce) / copies
+    kernel_names: tuple = ()  # short names of the first copy's kernels, in node order
+
+    @property
+    def launches_per_layer(self) -> float:
+        """Kernels per layer with each library helper counted as part of the op it finishes."""
+        return self.kernels_per_layer - self.helper_kernels_per_layer
 
 
 def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: int = 5,
@@ -102,6 +182,10 @@ def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: i
         for f in step_fns:
             f()
     counts = graph_node_counts(g)
+    try:
+        names = graph_kernel_names(g)
+    except (AttributeError, RuntimeError):  # a driver without these entry points: counts only
+        names = None
     g.instantiate()
     for _ in range(warmup):
         g.replay()
@@ -120,8 +204,12 @@ def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: i
         times.append(a.elapsed_time(b) * 1e3 / copies)
     times.sort()
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]
+    per_copy = len(names) // copies if names else 0
     return GraphTiming(us_median=statistics.median(times), us_p10=q(0.1), us_p90=q(0.9), replays=replays,
-                       copies=copies, kernels_per_layer=counts.get("kernel", 0) / copies, node_counts=counts)
+                       copies=copies, kernels_per_layer=counts.get("kernel", 0) / copies, node_counts=counts,
+                       helper_kernels_per_layer=(sum(map(is_library_helper, names)) / copies
+                                                 if names is not None else float("nan")),
+                       kernel_names=tuple(short_kernel_name(n) for n in (names or [])[:per_copy]))
 
 
 def provenance() -> dict:

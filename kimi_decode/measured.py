@@ -56,7 +56,7 @@ def markdown_table(df: pd.DataFrame, columns: list[str] | None = None, digits: i
 
 RESULT_COLUMNS = {
     "stock": ["executor", "layer", "tp", "batch", "context", "us_median", "us_p10", "us_p90", "kernels_measured",
-              "kernels_inventory", "achieved_GBps", "floor_us", "fraction_of_floor", "check_ok"],
+              "launches_measured", "kernels_inventory", "achieved_GBps", "floor_us", "fraction_of_floor", "check_ok"],
     "check": ["executor", "layer", "tp", "batch", "tokens_per_seq", "context", "check_ok", "err_vs_fp32", "err_bound",
               "routing_flips", "active_experts"],
     "moe": ["executor", "tp", "batch", "tokens_per_seq", "us_median", "us_p10", "us_p90", "kernels_measured",

@@ -101,12 +101,16 @@ def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor
         us_median=timing.us_median, us_p10=timing.us_p10, us_p90=timing.us_p90, replays=timing.replays,
         copies=copies, kernels_measured=timing.kernels_per_layer,
         kernels_inventory=(len(execs[0].launches()) or None) if hasattr(execs[0], "launches") else None,
+        library_helpers_measured=timing.helper_kernels_per_layer, launches_measured=timing.launches_per_layer,
+        kernel_sequence=";".join(timing.kernel_names),
         graph_nodes=";".join(f"{k}={v}" for k, v in sorted(timing.node_counts.items())),
         active_experts=b.active_experts, bytes_streamed=b.streamed,
         achieved_GBps=b.streamed / (timing.us_median * 1e-6) / 1e9,
         copy_bw_GBps=copy_bw / 1e9, floor_us=b.streamed / copy_bw * 1e6,
     )
     row["fraction_of_floor"] = row["floor_us"] / row["us_median"]
+    if row["kernels_inventory"] is not None:
+        row["counts_match"] = bool(row["launches_measured"] == row["kernels_inventory"])
     del execs
     torch.cuda.empty_cache()
     return row
@@ -160,7 +164,7 @@ def _summary(r: dict) -> str:
         return f"{head} FAILED {r.get('error', '')} err={r.get('err_vs_fp32', float('nan')):.2e} " \
                f"bound={r.get('err_bound', float('nan')):.2e}"
     return (f"{head} {r['us_median']:8.1f} us  [{r['us_p10']:.1f},{r['us_p90']:.1f}]  kernels {r['kernels_measured']:.0f}"
-            f"/{r['kernels_inventory']}  {r['achieved_GBps']:7.0f} GB/s  floor {r['floor_us']:.1f} us "
+            f" (launches {r['launches_measured']:.0f}/{r['kernels_inventory']})  {r['achieved_GBps']:7.0f} GB/s  floor {r['floor_us']:.1f} us "
             f"({r['fraction_of_floor']:.2f})  err {r['err_vs_fp32']:.1e}")
 
 
