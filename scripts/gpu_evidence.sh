@@ -25,6 +25,7 @@ stage_cmd() {
   case "$1" in
     env) echo "nvidia-smi; ncu --version; readlink -f \$(which ncu); ls -d /opt/nvidia/nsight-compute/*/extras/python /usr/local/cuda*/nsight-compute*/extras/python 2>/dev/null; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_schedule.py tests/test_bench_graph.py tests/test_sweeps.py tests/test_stock_triton_small.py tests/test_stock_triton_kda.py tests/test_stock_triton_mla.py tests/test_stock_triton_moe.py tests/test_compile_peer.py" ;;
+    bench-graph-test) echo "$PY -m pytest -q -p no:cacheprovider tests/test_bench_graph.py" ;;
     sweep-tp8) echo "$KD sweep --executor stock --tps 8 --no-progress --out $M/stock_h200_tp8.csv" ;;
     sweep-tp16) echo "$KD sweep --executor stock --tps 16 --no-progress --out $M/stock_h200_tp16.csv" ;;
     check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 4,8 --no-progress --out $M/stock_h200_check_verify.csv" ;;
