@@ -113,10 +113,35 @@ def key_json(key) -> str:
     return json.dumps({"kernel": spec_for(key).name, **key_dict(key)}, sort_keys=True)
 
 
+def _package_imports(path: Path, package_dir: Path) -> set[Path]:
+    """The modules of `package_dir` that the module at `path` imports relatively (`from .x import y`, also
+    inside functions, where the kernels import their helpers)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            for name in names:
+                f = package_dir / f"{name.split('.')[0]}.py"
+                if f.is_file():
+                    found.add(f.resolve())
+    return found
+
+
 def source_files(spec: KernelSpec) -> list[Path]:
-    """The files whose text decides the compiled code: the kernel file and this one."""
+    """The files whose text decides the compiled code: the kernel file, every module of its package it imports
+    (directly or through another; e.g. moe_pipe.py's helpers in moe.py, ptx_ops.py and mxfp4_decode.py), and
+    this one."""
     mod = importlib.import_module(spec.module)
-    return [Path(mod.__file__).resolve(), Path(__file__).resolve()]
+    first = Path(mod.__file__).resolve()
+    seen, todo = {first}, [first]
+    while todo:
+        for f in _package_imports(todo.pop(), first.parent):
+            if f not in seen:
+                seen.add(f)
+                todo.append(f)
+    return [first, *sorted(seen - {first}), Path(__file__).resolve()]
 
 
 def source_hash(spec: KernelSpec) -> str:

@@ -38,6 +38,9 @@ stage_cmd() {
     moe-breakdown-prefetch) echo "$KD moe --breakdown --executors fused,fused@pf0-tail0 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_prefetch_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv" ;;
     moe-ring) echo "$KD moe --executors stock,fused,fused@contig-upearly4-downearly3,fused@upearly4-downearly3,fused@contig,fused@downearly2,fused-pipeup --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ring_h200_tp8.csv" ;;
+    moe-opts) echo "$KD moe --executors stock,fused,fused@pro,fused@epi-prod,fused@swap,fused@pro-epi-prod-swap --tps 8 --batches 1,2,8 --no-progress --out $M/moe_opts_h200_tp8.csv" ;;
+    moe-breakdown-opts) echo "$KD moe --breakdown --executors fused,fused@pro-epi-prod-swap --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_opts_h200_tp8.csv" ;;
+    moe-trace-opts) echo "$KD moe --trace --executors fused@pro-epi-prod-swap --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_opts_h200_tp8.csv" ;;
     moe-breakdown-ring) echo "$KD moe --breakdown --executors fused,fused@contig-upearly4-downearly3 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_ring_h200_tp8.csv" ;;
     moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;

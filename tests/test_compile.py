@@ -194,3 +194,14 @@ def test_jit_path_fills_and_reuses_the_disk_cache(compiler, monkeypatch, tmp_pat
         assert callable(kc.load(key))
     finally:
         kc.clear_memory_cache()
+
+
+def test_source_hash_covers_the_helper_modules_a_kernel_imports():
+    """An artifact must go stale when a helper it is built from changes, not only its own file."""
+    from kimi_decode import compile as kc
+
+    reg = kc.registry()
+    names = {n: [p.name for p in kc.source_files(s)] for n, s in reg.items()}
+    assert {"moe.py", "ptx_ops.py", "mxfp4_decode.py", "gemv.py"} <= set(names["moe_up_pipe"])
+    assert names["moe_up_pipe"][0] == "moe_pipe.py" and names["moe_up_pipe"][-1] == "compile.py"
+    assert names["attn_res"] == ["attn_res.py", "compile.py"]

@@ -276,6 +276,67 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
         assert kp.MoEDownPipeKey(s, prefetch_tail_rows=n) in down_keys
 
 
+RUN18_VARIANTS = ("pro", "epi-prod", "swap", "pro-epi-prod-swap")
+
+
+def test_prologue_and_extra_warp_options_parse_and_are_compiled_ahead_of_time():
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    assert kp.parse_pipe_variant("pro") == (dict(prologue=True, early_slots=0), dict(prologue=True))
+    assert kp.parse_pipe_variant("epi-prod-swap") == (dict(epilogue_warp=True),
+                                                      dict(producer_warp=True, swap_shared=True))
+    with pytest.raises(ValueError, match="upearly0"):  # z is staged in the ring: nothing may fly before it
+        kp.parse_pipe_variant("pro-upearly1")
+    s = km.shapes_for_tp(8)
+    up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
+    for v in RUN18_VARIANTS:
+        u, d = kp.parse_pipe_variant(v)
+        up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
+        assert up in up_keys and down in down_keys, v
+        assert kp.pipe_variant_name(up, down) == v
+        assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
+    u, d = kp.parse_pipe_variant("pro-epi-prod-swap")  # its timeline build too
+    assert kp.MoEUpPipeKey(s, trace=True, **u) in up_keys and kp.MoEDownPipeKey(s, trace=True, **d) in down_keys
+
+
+def test_prologue_and_extra_warp_options_compile(compiler):
+    """'pro' stages with bulk copies (more cp.async.bulk, fewer global loads); the extra warps add threads
+    but no arithmetic (the same mma count); no option spills."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+
+    def count(key, what):
+        return len(re.findall(re.escape(what), kc.ptx_text(key)))
+
+    base_up, base_down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
+    pro_up, pro_down = kp.MoEUpPipeKey(s, prologue=True, early_slots=0), kp.MoEDownPipeKey(s, prologue=True)
+    assert count(pro_up, "cp.async.bulk.shared") > count(base_up, "cp.async.bulk.shared")
+    assert count(pro_down, "cp.async.bulk.shared") > count(base_down, "cp.async.bulk.shared")
+    assert count(pro_down, "ld.global") < count(base_down, "ld.global")
+    epi, prod = kp.MoEUpPipeKey(s, epilogue_warp=True), kp.MoEDownPipeKey(s, producer_warp=True)
+    assert count(epi, "mma.sync") == count(base_up, "mma.sync")
+    assert count(prod, "mma.sync") == count(base_down, "mma.sync")
+    assert count(epi, "bar.sync") < count(base_up, "bar.sync")  # one CTA barrier per item instead of two
+    for key in (pro_up, pro_down, epi, prod):
+        assert kc.resource_usage(key)["STACK"] == 0, key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", RUN18_VARIANTS)
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 1), (1, 3), (8, 1), (1, 8)])
+def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant, batch, tokens):
+    """The one-round-trip prologues, the extra warps and the reversed shared split change no result, at every
+    token count the pipelined kernels take (1..8; z and a staged for each token)."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch * tokens, D, seed=90 + batch * tokens, device="cuda")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
 def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
     """The L2-prefetch variants (off by default) carry the bulk prefetch; the defaults do not."""
     from kimi_decode import compile as kc

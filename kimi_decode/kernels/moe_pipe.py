@@ -58,6 +58,15 @@ class MoEUpPipeKey:
     # ring slots requested before z is staged; the others after. The staging loads queue behind whatever bulk
     # data is already on its way to the SM: with all 4 slots first (run 13) staging took about 3 µs (run 16)
     early_slots: int = 1
+    # 'pro': the prologue in one round trip. Thread 0 bulk-copies the routing tables and the tokens' z rows
+    # (fp32, into the still idle ring) on one mbarrier right after the wait; all threads then convert z to bf16
+    # pairs and the whole ring is requested (no slot early: early_slots must be 0). Without it the tables, z and
+    # the first slot take three dependent round trips (3.2 µs at batch 1, run 17's trace)
+    prologue: bool = False
+    # 'epi': one more warp that does no arithmetic: after each item's barrier it refills the slot and reduces
+    # the compute warps' K partials (double-buffered) into SiTU, while the compute warps go on to the next item
+    # (one CTA barrier per item instead of two; the refill and the reduction leave the compute warps' path)
+    epilogue_warp: bool = False
     arch: str = "sm_90a"
 
 
@@ -174,7 +183,8 @@ def _up_fixed_bytes(key) -> int:
 
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
-    return key.stages * (_up_stage_bytes(key.shape) + 8) + _up_fixed_bytes(key)
+    extra = (64 if key.prologue else 0) + (key.warps * 32 * 4 * 4 if key.epilogue_warp else 0)
+    return key.stages * (_up_stage_bytes(key.shape) + 8) + _up_fixed_bytes(key) + extra
 
 
 def build_up_pipe(key: MoEUpPipeKey):
@@ -189,7 +199,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     I = sh.inter
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
-    THREADS = 32 * WARPS
+    EPI, PRO = key.epilogue_warp, key.prologue
+    THREADS = 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
     NSB = L // SB
     assert NSB % WARPS == 0 and I % RB_UP == 0
     SBW = NSB // WARPS
@@ -206,6 +217,12 @@ def build_up_pipe(key: MoEUpPipeKey):
     TR = key.trace
     EARLY = key.early_slots
     assert 0 <= EARLY <= ST
+    NB = 2 if EPI else 1  # buffers of the K partials
+    if PRO:
+        assert EARLY == 0, "the merged prologue stages z in the ring: no slot may be requested before it"
+        assert ST * 2 * W_BYTES >= MXT * L * 4, "the ring must hold PIPE_MAX_M tokens' fp32 z"
+    F_ROW = sh.ncat * 4  # bytes per token row of the front kernel's output
+    assert F_ROW % 16 == 0 and (Z0 * 4) % 16 == 0 and (L * 4) % 16 == 0
     W2_BYTES, S2_BYTES, SD_BYTES = L * I // 2, L * I // 32, D * sh.shared * 2  # one expert's W2, its scales; shared down
     PF_W, PF_S = -(-W2_BYTES // PF_CHUNK), -(-S2_BYTES // PF_CHUNK)
     PF_E = PF_W + PF_S  # prefetch chunks per active expert
@@ -225,6 +242,39 @@ def build_up_pipe(key: MoEUpPipeKey):
         bulk(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
         bulk(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
         bulk(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+
+    @cute.jit
+    def stage_prologue_up(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
+                          mF: cute.Tensor, s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor,
+                          s_tok: cute.Tensor, ring_w: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor,
+                          mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32):
+        """(all threads, inlined; 'pro') thread 0 bulk-copies meta, the routing tables and every token's z row
+        (fp32, into the idle ring) on one mbarrier; meanwhile the shared experts' SiTU and the zeroing; then z
+        to bf16 pairs in the mma's B order. Returns the number of active experts."""
+        M = mF.shape[0]
+        pb = pbar.iterator
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, 16 + E * 12 + M * (TOPK * 4 + L * 4))
+            b = pb.toint()
+            bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, b)
+            bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, b)
+            bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, b)
+            bulk(s_tok.iterator.toint(), mTok.iterator.toint(), M * (TOPK * 4), b)
+            for t in cutlass.range(M):
+                bulk(ring_w.iterator.toint() + t * (L * 4), mF.iterator.toint() + Int64(t) * F_ROW + Z0 * 4,
+                     L * 4, b)
+        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
+        cute.arch.mbarrier_wait(pb, 0)
+        zf = cute.make_tensor(cute.recast_ptr(ring_w.iterator, dtype=Float32),
+                              cute.make_layout((MXT, L), stride=(L, 1)))
+        gS = cute.zipped_divide(zf, (1, 4))
+        for idx in cutlass.range(tid, M * (L // 8), THREADS):
+            t = idx // (L // 8)
+            o = idx - t * (L // 8)
+            z0 = gS[(None, (t, 2 * o))].load()
+            z1 = gS[(None, (t, 2 * o + 1))].load()
+            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+        return s_meta[0]
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -249,8 +299,17 @@ def build_up_pipe(key: MoEUpPipeKey):
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
         s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4), stride=(WARPS * 128, 128, 4, 1)),
+                                   byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        w_base = ring_w.iterator.toint()
+        s_base = ring_s.iterator.toint()
+        if const_expr(PRO):
+            pbar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
+            s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
+            if tid == 0:  # nothing here reads the previous launch: before the wait
+                cute.arch.mbarrier_init(pbar.iterator, 1)
+            ring_init()(bars, ST)
         if const_expr(PF):  # the shared experts' down projection does not depend on the routing
             if tid == 32:
                 for k in cutlass.range(bx, PF_SD, G):
@@ -261,13 +320,15 @@ def build_up_pipe(key: MoEUpPipeKey):
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 1)
-        nact = mMeta[0]
+        if const_expr(PRO):
+            nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
+                                     mAsh, mLat, mSsq, bx, tid)
+        else:
+            nact = mMeta[0]
+            # the routing tables, once, into shared memory: no global round trip on an item's critical path
+            stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
+            ring_init()(bars, ST)
         nitems = nact * NRB
-        # the routing tables, once, into shared memory: no global round trip on an item's critical path
-        stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
-        ring_init()(bars, ST)
-        w_base = ring_w.iterator.toint()
-        s_base = ring_s.iterator.toint()
         if tid == 0:
             for s in cutlass.range_constexpr(EARLY):
                 if bx + s * G < nitems:
@@ -286,19 +347,22 @@ def build_up_pipe(key: MoEUpPipeKey):
                     else:
                         o = (r - PF_W) * PF_CHUNK
                         pf(mS2.iterator.toint() + e * S2_BYTES + o, cutlass.min(PF_CHUNK, S2_BYTES - o))
-        # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
-        # zeroing this rank's latent accumulator
-        gF = cute.zipped_divide(mF, (1, 4))
         gZ = cute.zipped_divide(sz, (1, 4))
-        for idx in cutlass.range(tid, M * (L // 8), THREADS):
-            t = idx // (L // 8)
-            o = idx - t * (L // 8)
-            z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
-            z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
-            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
-        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
+        if const_expr(not PRO):
+            # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
+            # zeroing this rank's latent accumulator
+            gF = cute.zipped_divide(mF, (1, 4))
+            for idx in cutlass.range(tid, M * (L // 8), THREADS):
+                t = idx // (L // 8)
+                o = idx - t * (L // 8)
+                z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+                z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+            shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that z is in
+            if const_expr(PRO):  # the ring held z: generic-proxy reads before the bulk writes
+                cute.arch.fence_view_async_shared()
             for s in cutlass.range_constexpr(EARLY, ST):
                 if bx + s * G < nitems:
                     issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
@@ -315,43 +379,51 @@ def build_up_pipe(key: MoEUpPipeKey):
             i0 = (item - j * NRB) * RB_UP
             off = s_list[j, 0]
             num = s_list[j, 1]  # <= M <= 8: one mma column per token
-            t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
-            cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
-            if const_expr(TR):
-                if tid == 0 and n < TRACE_ITEMS:
-                    stamp(mTrace, bx, 4 + 2 * n)
-            accs = []
-            for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
-                acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                sb = warp + WARPS * q
-                a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
-                a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
-                sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
-                sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
-                accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c))
-            for r in cutlass.range_constexpr(4):
-                v = accs[0][r]
-                for q in cutlass.range_constexpr(1, SBW):
-                    v = v + accs[q][r]
-                red[warp, lane, r] = v
+            buf = n % NB
+            if warp < WARPS:  # the compute warps (all of them without an epilogue warp)
+                t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
+                cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+                if const_expr(TR):
+                    if tid == 0 and n < TRACE_ITEMS:
+                        stamp(mTrace, bx, 4 + 2 * n)
+                accs = []
+                for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
+                    acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    sb = warp + WARPS * q
+                    a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
+                    a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+                    sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
+                    sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+                    accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c))
+                for r in cutlass.range_constexpr(4):
+                    v = accs[0][r]
+                    for q in cutlass.range_constexpr(1, SBW):
+                        v = v + accs[q][r]
+                    red[buf, warp, lane, r] = v
             cute.arch.barrier()
-            if tid == 0:  # every warp is done with the slot: refill it with the item ST rounds ahead
+            if const_expr(EPI and TR):
+                if tid == 0 and n < TRACE_ITEMS:
+                    stamp(mTrace, bx, 5 + 2 * n)
+            # every warp is done with the slot: refill it with the item ST rounds ahead (thread 0, or the
+            # epilogue warp's first lane)
+            if tid == (32 * WARPS if EPI else 0):
                 if item + ST * G < nitems:
                     cute.arch.fence_view_async_shared()
                     issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
-            if warp == WARPS - 1:
+            if warp == (WARPS if EPI else WARPS - 1):
                 tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                 for w_ in cutlass.range_constexpr(WARPS):
                     for r in cutlass.range_constexpr(4):
-                        tot[r] = tot[r] + red[w_, lane, r]
+                        tot[r] = tot[r] + red[buf, w_, lane, r]
                 for x_ in cutlass.range_constexpr(2):
                     tk = 2 * c + x_
                     if tk < num:
                         mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
-            cute.arch.barrier()
-            if const_expr(TR):
-                if tid == 0 and n < TRACE_ITEMS:
-                    stamp(mTrace, bx, 5 + 2 * n)
+            if const_expr(not EPI):  # the partials' one buffer is free again
+                cute.arch.barrier()
+                if const_expr(TR):
+                    if tid == 0 and n < TRACE_ITEMS:
+                        stamp(mTrace, bx, 5 + 2 * n)
             n = n + 1
         if const_expr(TR):
             if tid == 0:
@@ -411,6 +483,16 @@ class MoEDownPipeKey:
     # each CTA takes an equal share of the expert items and of the shared items (False: one contiguous run of
     # both, which at batch 1 left the expert items, about 5x the arithmetic of a shared one, to half the CTAs)
     balanced: bool = True
+    # 'pro': the routing tables (before the wait) and then a and a_shared (after it) each come in one bulk copy
+    # on an mbarrier, a then permuted in place into the mma's B order; without it the tables take two dependent
+    # round trips and staging a one round trip per 16-byte load of each thread (3.3 µs at batch 1, run 17)
+    prologue: bool = False
+    # 'prod': one more warp that does no arithmetic and refills each item's slot after the item's barrier,
+    # instead of thread 0 of the first compute warp
+    producer_warp: bool = False
+    # 'swap': the balanced split gives the CTAs with one expert item more one shared item fewer (the shared
+    # items are dealt in reverse CTA order), so no CTA carries the extra item of both kinds
+    swap_shared: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -441,7 +523,7 @@ def _down_fixed_bytes(key) -> int:
 
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
     _, w_bytes, s_bytes, _ = _down_pipe_sizes(key)
-    return key.stages * (w_bytes + s_bytes + 8) + _down_fixed_bytes(key)
+    return key.stages * (w_bytes + s_bytes + 8) + _down_fixed_bytes(key) + (64 if key.prologue else 0)
 
 
 def build_down_pipe(key: MoEDownPipeKey):
@@ -466,7 +548,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     pf = bulk_prefetch_l2()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
-    THREADS = 32 * WARPS
+    PRO, PROD, SWAP = key.prologue, key.producer_warp, key.swap_shared
+    THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
+    REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     WROW = I // 8  # words per W2 row
     SROW = I // 32
@@ -498,6 +582,47 @@ def build_down_pipe(key: MoEDownPipeKey):
         else:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, RSH * 2 * S)
             bulk(dw, mWd.iterator.toint() + Int64(k - ne) * (RSH * 2 * S), RSH * 2 * S, b)
+
+    @cute.jit
+    def bulk_tables(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
+                    s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor, s_tok: cute.Tensor,
+                    pbar: cute.Tensor, M: Int32, tid: Int32):
+        """(all threads, inlined; 'pro') meta and the routing tables into shared memory in one bulk round trip
+        (phase 0 of pbar). Returns the number of active experts."""
+        pb = pbar.iterator
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, 16 + E * 12 + M * (TOPK * 4))
+            b = pb.toint()
+            bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, b)
+            bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, b)
+            bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, b)
+            bulk(s_tok.iterator.toint(), mTok.iterator.toint(), M * (TOPK * 4), b)
+        cute.arch.mbarrier_wait(pb, 0)
+        return s_meta[0]
+
+    @cute.jit
+    def bulk_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
+                  M: Int32, tid: Int32):
+        """(all threads, inlined; 'pro') a (every (expert, token) pair's row) and a_shared into shared memory in
+        one bulk round trip (phase 1 of pbar), then a permuted in place, 16 bytes per thread at a time, into
+        the mma's B order: per 8 values (0,4) (2,6) (1,5) (3,7) as bf16 pairs (bit-exact, no conversion)."""
+        pb = pbar.iterator
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + S * 2))
+            b = pb.toint()
+            bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
+            bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
+        cute.arch.mbarrier_wait(pb, 1)
+        sA4 = cute.zipped_divide(s_a, (1, 4))
+        lo16, hi16 = Int32(0xFFFF), Int32(-65536)
+        for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
+            i = idx // (I // 8)
+            o = idx - i * (I // 8)
+            w = sA4[(None, (i, o))].load()  # bf16 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7)
+            s_a[i, 4 * o] = (w[0] & lo16) | (w[2] << 16)
+            s_a[i, 4 * o + 1] = (w[1] & lo16) | (w[3] << 16)
+            s_a[i, 4 * o + 2] = ((w[0] >> 16) & lo16) | (w[2] & hi16)
+            s_a[i, 4 * o + 3] = ((w[1] >> 16) & lo16) | (w[3] & hi16)
 
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
@@ -531,14 +656,24 @@ def build_down_pipe(key: MoEDownPipeKey):
         s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
-        nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
+        if const_expr(PRO):
+            pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), byte_alignment=8)
+            s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
+            if tid == 0:
+                cute.arch.mbarrier_init(pbar.iterator, 1)
+            ring_init()(bars, ST)
+            # the routing tables come from moe_front / moe_route: complete before this launch
+            nact = bulk_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, pbar, M, tid)
+        else:
+            nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
         ne = NBD * nact
         # this CTA's items: a run of expert items [lo_e, hi_e) then a run of shared items [lo_s, hi_s)
         if const_expr(BAL):  # every CTA an equal share of each kind (expert items cost far more arithmetic)
             lo_e = (bx * ne) // G
             hi_e = ((bx + 1) * ne) // G
-            lo_s = (bx * NSH) // G
-            hi_s = ((bx + 1) * NSH) // G
+            bs = G - 1 - bx if SWAP else bx
+            lo_s = (bs * NSH) // G
+            hi_s = ((bs + 1) * NSH) // G
         else:  # one contiguous run of (expert items, then shared items)
             lo = (bx * (ne + NSH)) // G
             hi = ((bx + 1) * (ne + NSH)) // G
@@ -553,8 +688,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         # lo_e + i + (i >= n_e) * jump, written out at its four uses: a helper closing over Int32 is refused by
         # the DSL (closure capture) and a module-level one recursed in its preprocessor
         jump = ne + lo_s - hi_e
-        stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
-        cute.arch.barrier()
+        if const_expr(not PRO):
+            stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
+            cute.arch.barrier()
         for idx in cutlass.range(tid, nact, THREADS):  # routing weight of every (expert, token) pair
             e = s_act[idx]
             off = s_list[idx, 0]
@@ -563,7 +699,8 @@ def build_down_pipe(key: MoEDownPipeKey):
             for q in cutlass.range_constexpr(MXT):
                 if q < num:
                     s_we[off + q] = wq[q]
-        ring_init()(bars, ST)
+        if const_expr(not PRO):
+            ring_init()(bars, ST)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:
@@ -584,17 +721,20 @@ def build_down_pipe(key: MoEDownPipeKey):
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 2)
-        gA = cute.zipped_divide(mA, (1, 8))
-        gAs = cute.zipped_divide(mAsh, (1, 8))
         sAs = cute.zipped_divide(s_ash, (1, 8))
-        for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
-            i = idx // (I // 8)
-            o = idx - i * (I // 8)
-            v = gA[(None, (i, o))].load().to(Float32)  # a[i, 8o .. 8o + 7] (exact in fp32)
-            store_b_order(s_a, i, o, [v[k] for k in range(8)])
-        for idx in cutlass.range(tid, M * (S // 8), THREADS):
-            t = idx // (S // 8)
-            sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
+        if const_expr(PRO):
+            bulk_acts(mA, mAsh, s_a, s_ash, pbar, M, tid)
+        else:
+            gA = cute.zipped_divide(mA, (1, 8))
+            gAs = cute.zipped_divide(mAsh, (1, 8))
+            for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
+                i = idx // (I // 8)
+                o = idx - i * (I // 8)
+                v = gA[(None, (i, o))].load().to(Float32)  # a[i, 8o .. 8o + 7] (exact in fp32)
+                store_b_order(s_a, i, o, [v[k] for k in range(8)])
+            for idx in cutlass.range(tid, M * (S // 8), THREADS):
+                t = idx // (S // 8)
+                sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that a is in
             for s in cutlass.range_constexpr(EARLY, ST):
@@ -618,34 +758,35 @@ def build_down_pipe(key: MoEDownPipeKey):
                 num = s_list[jj, 1]
                 pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
                 r0 = 16 * warp + g
-                cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
-                if const_expr(TR):
-                    if tid == 0 and i < TRACE_ITEMS:
-                        stamp(mTrace, bx, 4 + 2 * i)
-                accs = []
-                for q in cutlass.range_constexpr(NSBD):
-                    cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    wa = gW[(None, (slot, r0, 4 * q + c))].load()
-                    wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
-                    sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
-                    sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
-                    accs.append(superblock_mma(cq, wa, wb, sa, sb_, sA, pi, 16 * q + 4 * c))
-                tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                for q in cutlass.range_constexpr(NSBD):
-                    for r in cutlass.range_constexpr(4):
-                        tot[r] = tot[r] + accs[q][r]
-                for x_ in cutlass.range_constexpr(2):
-                    n_ = 2 * c + x_
-                    if n_ < num:
-                        t = s_tok[off + n_]
-                        w = s_we[off + n_]
-                        acc[t, r0] = acc[t, r0] + tot[x_] * w
-                        acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
+                if warp < WARPS:
+                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    if const_expr(TR):
+                        if tid == 0 and i < TRACE_ITEMS:
+                            stamp(mTrace, bx, 4 + 2 * i)
+                    accs = []
+                    for q in cutlass.range_constexpr(NSBD):
+                        cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                        wa = gW[(None, (slot, r0, 4 * q + c))].load()
+                        wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
+                        sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
+                        sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
+                        accs.append(superblock_mma(cq, wa, wb, sa, sb_, sA, pi, 16 * q + 4 * c))
+                    tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    for q in cutlass.range_constexpr(NSBD):
+                        for r in cutlass.range_constexpr(4):
+                            tot[r] = tot[r] + accs[q][r]
+                    for x_ in cutlass.range_constexpr(2):
+                        n_ = 2 * c + x_
+                        if n_ < num:
+                            t = s_tok[off + n_]
+                            w = s_we[off + n_]
+                            acc[t, r0] = acc[t, r0] + tot[x_] * w
+                            acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
                 if const_expr(TR):
                     if tid == 0 and i < TRACE_ITEMS:
                         stamp(mTrace, bx, 5 + 2 * i)
-                if tid == 0:
+                if tid == REFILL:
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
@@ -692,36 +833,37 @@ def build_down_pipe(key: MoEDownPipeKey):
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
-                cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
-                if const_expr(TR):
-                    if tid == 0 and i < TRACE_ITEMS:
-                        stamp(mTrace, bx, 4 + 2 * i)
-                for q in cutlass.range_constexpr(SHQ):
-                    rr = (q * WARPS + warp) * RPWS + sgrp
-                    wv = []
-                    for j in cutlass.range_constexpr(SH_VEC):
-                        # the slot holds RSH rows of 2·S bytes back to back: row rr starts at word rr·S/2
-                        q4 = gW4[(None, (slot, (rr * SH_WORDS) // 4 + sgl + GS * j))].load()
-                        f = []
-                        for u in cutlass.range_constexpr(4):
-                            lo_, hi_ = unpack(q4[u])
-                            f += [lo_, hi_]
-                        wv.append(f)
-                    for t in cutlass.range(M):
-                        p = Float32(0.0)
+                if warp < WARPS:
+                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    if const_expr(TR):
+                        if tid == 0 and i < TRACE_ITEMS:
+                            stamp(mTrace, bx, 4 + 2 * i)
+                    for q in cutlass.range_constexpr(SHQ):
+                        rr = (q * WARPS + warp) * RPWS + sgrp
+                        wv = []
                         for j in cutlass.range_constexpr(SH_VEC):
-                            av = sAs[(None, (t, sgl + GS * j))].load().to(Float32)
-                            for kk in cutlass.range_constexpr(8):
-                                p = p + wv[j][kk] * av[kk]
-                        for o in cutlass.range_constexpr(GS.bit_length() - 1):
-                            p = p + cute.arch.shuffle_sync_bfly(p, offset=GS >> (o + 1))
-                        if sgl == 0:
-                            mSh[0, t, n0 + rr] = p.to(BFloat16)
+                            # the slot holds RSH rows of 2·S bytes back to back: row rr starts at word rr·S/2
+                            q4 = gW4[(None, (slot, (rr * SH_WORDS) // 4 + sgl + GS * j))].load()
+                            f = []
+                            for u in cutlass.range_constexpr(4):
+                                lo_, hi_ = unpack(q4[u])
+                                f += [lo_, hi_]
+                            wv.append(f)
+                        for t in cutlass.range(M):
+                            p = Float32(0.0)
+                            for j in cutlass.range_constexpr(SH_VEC):
+                                av = sAs[(None, (t, sgl + GS * j))].load().to(Float32)
+                                for kk in cutlass.range_constexpr(8):
+                                    p = p + wv[j][kk] * av[kk]
+                            for o in cutlass.range_constexpr(GS.bit_length() - 1):
+                                p = p + cute.arch.shuffle_sync_bfly(p, offset=GS >> (o + 1))
+                            if sgl == 0:
+                                mSh[0, t, n0 + rr] = p.to(BFloat16)
                 cute.arch.barrier()
                 if const_expr(TR):
                     if tid == 0 and i < TRACE_ITEMS:
                         stamp(mTrace, bx, 5 + 2 * i)
-                if tid == 0:
+                if tid == REFILL:
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
@@ -766,8 +908,10 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
     Options: pf0/pf1 (moe_up prefetches moe_down's bytes into L2; default 0), tailN (moe_down prefetches the
     tail's last N W_up rows; default 0), contig (moe_down's items as one contiguous run per CTA instead of
-    balanced runs), upearlyN / downearlyN (ring slots requested before the staging; default 1).
-    E.g. 'pf1-tail2048', 'contig-upearly4-downearly3' (run 13's kernels)."""
+    balanced runs), upearlyN / downearlyN (ring slots requested before the staging; default 1), pro (both
+    kernels' prologues in one bulk round trip each; implies upearly0), epi (moe_up's epilogue warp), prod
+    (moe_down's producer warp), swap (moe_down deals its shared items in reverse CTA order).
+    E.g. 'pf1-tail2048', 'contig-upearly4-downearly3' (run 13's kernels), 'pro-epi-prod-swap'."""
     import re
 
     up, down = {}, {}
@@ -780,11 +924,25 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
+        elif tok == "pro":
+            up["prologue"] = down["prologue"] = True
+        elif tok == "epi":
+            up["epilogue_warp"] = True
+        elif tok == "prod":
+            down["producer_warp"] = True
+        elif tok == "swap":
+            down["swap_shared"] = True
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pf0/pf1 (moe_up prefetches "
                              f"moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring slots "
-                             f"requested before the staging), e.g. pf1-tail2048; got {text!r}")
+                             f"requested before the staging), pro (one-round-trip prologues), epi (moe_up's epilogue "
+                             f"warp), prod (moe_down's producer warp), swap (moe_down's shared items dealt in reverse), "
+                             f"e.g. pf1-tail2048 or pro-epi-prod-swap; got {text!r}")
+    if up.get("prologue"):
+        if up.setdefault("early_slots", 0) != 0:
+            raise ValueError(f"'pro' stages z in moe_up's ring, so no ring slot can be requested before it "
+                             f"(upearly0); got {text!r}")
     return up, down
 
 
@@ -800,8 +958,16 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("contig")
         if down.early_slots != MoEDownPipeKey.early_slots:
             parts.append(f"downearly{down.early_slots}")
-    if up.early_slots != MoEUpPipeKey.early_slots:
+        if down.producer_warp:
+            parts.append("prod")
+        if down.swap_shared:
+            parts.append("swap")
+    if up.epilogue_warp:
+        parts.insert(0, "epi")
+    if up.early_slots != MoEUpPipeKey.early_slots and not (up.prologue and up.early_slots == 0):
         parts.insert(0, f"upearly{up.early_slots}")
+    if up.prologue or (isinstance(down, MoEDownPipeKey) and down.prologue):
+        parts.insert(0, "pro")
     return "-".join(parts) or "default"
 
 
@@ -818,11 +984,22 @@ def _aot_keys(kind: str):
                 if kind == "up":
                     out += [MoEUpPipeKey(s, prefetch_down=p, arch=arch) for p in TUNE_PF_UP]
                     out.append(MoEUpPipeKey(s, early_slots=4, arch=arch))  # run 13's ring start
+                    # the run-18 options (pro, epi), alone, together, and the timeline build of both
+                    for pro, epi, tr in ((True, False, False), (False, True, False), (True, True, False),
+                                         (True, True, True)):
+                        out.append(MoEUpPipeKey(s, prologue=pro, early_slots=0 if pro else 1, epilogue_warp=epi,
+                                                trace=tr, arch=arch))
                 else:
                     out += [MoEDownPipeKey(s, prefetch_tail_rows=n, arch=arch) for n in TUNE_PF_TAIL]
                     out.append(MoEDownPipeKey(s, balanced=False, arch=arch))  # the run-13 split, for comparison
                     out += [MoEDownPipeKey(s, early_slots=e, arch=arch) for e in (2, 3)]
                     out.append(MoEDownPipeKey(s, balanced=False, early_slots=3, arch=arch))  # run 13's moe_down
+                    # the run-18 options (pro, prod, swap)
+                    for pro, prod, swap, tr in ((True, False, False, False), (False, True, False, False),
+                                                (False, False, True, False), (True, True, True, False),
+                                                (True, True, True, True)):
+                        out.append(MoEDownPipeKey(s, prologue=pro, producer_warp=prod, swap_shared=swap, trace=tr,
+                                                  arch=arch))
         return out
     return keys
 
