@@ -161,9 +161,16 @@ class GraphTiming:
     kernel_names: tuple = ()  # short names of the first copy's kernels, in node order
 
     @property
+    def copy_nodes_per_layer(self) -> float:
+        """Memcpy and memset nodes per layer: a torch copy_ or fill between contiguous device tensors is
+        captured as one of these instead of a kernel (e.g. KDA's copy into core_attn_out at TP16)."""
+        return (self.node_counts.get("memcpy", 0) + self.node_counts.get("memset", 0)) / self.copies
+
+    @property
     def launches_per_layer(self) -> float:
-        """Kernels per layer with each library helper counted as part of the op it finishes."""
-        return self.kernels_per_layer - self.helper_kernels_per_layer
+        """The ops the stream ran per layer, as the inventory counts them: kernels, with each library helper
+        counted as part of the op it finishes, plus memcpy / memset nodes."""
+        return self.kernels_per_layer - self.helper_kernels_per_layer + self.copy_nodes_per_layer
 
 
 def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: int = 5,

@@ -121,6 +121,7 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
                                    copies=copies, kernels_measured=t.kernels_per_layer,
                                    kernels_inventory=len(execs[0].launches()),
                                    library_helpers_measured=t.helper_kernels_per_layer,
+                                   copy_nodes_measured=t.copy_nodes_per_layer,
                                    launches_measured=t.launches_per_layer,
                                    kernel_sequence=";".join(t.kernel_names), bytes_streamed=streamed,
                                    achieved_GBps=streamed / (t.us_median * 1e-6) / 1e9, copy_bw_GBps=copy_bw / 1e9,

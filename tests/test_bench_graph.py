@@ -58,5 +58,20 @@ def test_graph_kernel_names_on_a_captured_graph():
     helpers = sum(map(is_library_helper, names))
     assert len(names) - helpers == 2  # one GEMM (with or without its split-K reduce) and one multiply
     t = time_graph([step, step], replays=5, warmup=1)
-    assert t.launches_per_layer == 2 and t.kernels_per_layer == len(names)
+    assert t.launches_per_layer == 2 and t.kernels_per_layer == len(names) and t.copy_nodes_per_layer == 0
     assert len(t.kernel_names) == len(names) and t.kernel_names[-1] == "vectorized_elementwise_kernel"
+
+
+@pytest.mark.gpu
+def test_a_contiguous_copy_is_a_memcpy_node_and_counts_as_a_launch():
+    """torch's copy_ between contiguous device tensors is captured as a memcpy node, not a kernel (the stock
+    KDA layer's copy into core_attn_out at TP16); the launch count includes it, as the inventory does."""
+    a = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+
+    def step():
+        b.copy_(a)
+        b.mul_(2.0)
+
+    t = time_graph([step, step, step], replays=5, warmup=1)
+    assert t.copy_nodes_per_layer == 1 and t.kernels_per_layer == 1 and t.launches_per_layer == 2
