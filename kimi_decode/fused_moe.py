@@ -72,7 +72,7 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
         raise ValueError(f"experts must be one of {EXPERT_KERNELS}, got {experts!r}")
     if variant and experts == "pipe-up":
         raise ValueError("variants apply to experts='direct' (launch shapes, e.g. w4r2-w4r4e4s4) or experts='pipe' "
-                         "(L2 prefetch, e.g. pf1-tail2048)")
+                         "(options of the pipelined kernels, e.g. run17 or pf1-tail2048)")
     direct_v = variant if experts == "direct" else None
     pipe_v = variant if experts == "pipe" else None
     up_kw, down_kw = km.parse_variant(direct_v) if direct_v else ({}, {})
@@ -108,8 +108,8 @@ class FusedMoE:
         the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
-        (`kernels.moe.parse_variant`); with experts='pipe', what the pipelined kernels prefetch into L2 for the
-        launch after them, e.g. 'pf0-tail0' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults.
+        (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
+        'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults.
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:

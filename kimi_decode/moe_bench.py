@@ -32,8 +32,8 @@ def make_moe_executor(name: str):
     finish: no programmatic dependent launch); these use the pipelined expert kernels (`kernels/moe_pipe.py`).
     'fused-direct' is 'fused' with the first expert kernels (a CTA per expert row block, `kernels/moe.py`),
     'fused-pipeup' the pipelined gate/up with the direct down. 'fused-direct@w4r1-w4r8e2s8' picks a launch
-    shape of the direct expert kernels (`kernels.moe.parse_variant`) for tuning runs; 'fused@pf0-tail0' what the
-    pipelined kernels prefetch into L2 for the next launch (`kernels.moe_pipe.parse_pipe_variant`)."""
+    shape of the direct expert kernels (`kernels.moe.parse_variant`) for tuning runs; 'fused@run17' (run 17's
+    kernels) or 'fused@pf1' sets options of the pipelined kernels (`kernels.moe_pipe.parse_pipe_variant`)."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
@@ -49,7 +49,7 @@ def make_moe_executor(name: str):
                 parse_pipe_variant(variant)
             else:
                 raise ValueError(f"variants apply to fused-direct (launch shapes, e.g. fused-direct@w4r2-w4r4e4s4) "
-                                 f"and fused (L2 prefetch of the pipelined kernels, e.g. fused@pf0-tail0), got {name!r}")
+                                 f"and fused (options of the pipelined kernels, e.g. fused@run17), got {name!r}")
         experts = {"fused-direct": "direct", "fused-pipeup": "pipe-up"}.get(base, "pipe")
         return lambda w, x: FusedMoE(w, x, separate_routing=True if base == "fused5" else None,
                                      variant=variant or None, pdl=base != "fused-nopdl", experts=experts)

@@ -34,14 +34,9 @@ stage_cmd() {
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
     moe-bench) echo "$KD moe --executors stock,fused,fused-direct,fused-pipeup,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
     moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
-    moe-prefetch) echo "$KD moe --executors stock,fused,fused@pf0-tail0,fused@pf1-tail0,fused@pf0-tail2048,fused@pf1-tail1024,fused@pf1-tail3072 --tps 8 --batches 1,8 --no-progress --out $M/moe_prefetch_h200_tp8.csv" ;;
-    moe-breakdown-prefetch) echo "$KD moe --breakdown --executors fused,fused@pf0-tail0 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_prefetch_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv" ;;
-    moe-ring) echo "$KD moe --executors stock,fused,fused@contig-upearly4-downearly3,fused@upearly4-downearly3,fused@contig,fused@downearly2,fused-pipeup --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ring_h200_tp8.csv" ;;
-    moe-opts) echo "$KD moe --executors stock,fused,fused@pro,fused@epi-prod,fused@swap,fused@pro-epi-prod-swap --tps 8 --batches 1,2,8 --no-progress --out $M/moe_opts_h200_tp8.csv" ;;
-    moe-breakdown-opts) echo "$KD moe --breakdown --executors fused,fused@pro-epi-prod-swap --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_opts_h200_tp8.csv" ;;
-    moe-trace-opts) echo "$KD moe --trace --executors fused@pro-epi-prod-swap --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_opts_h200_tp8.csv" ;;
-    moe-breakdown-ring) echo "$KD moe --breakdown --executors fused,fused@contig-upearly4-downearly3 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_ring_h200_tp8.csv" ;;
+    moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
+    moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_h200_tp8.csv" ;;
     moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;

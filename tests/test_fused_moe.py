@@ -6,6 +6,7 @@ import torch
 from kimi_decode.config import KimiK3Config, ShardSpec
 from kimi_decode.fused_moe import FusedMoE, check_moe_input
 from kimi_decode.support import UnsupportedConfiguration
+from kimi_decode.kernels.moe_pipe import AOT_VARIANTS
 from kimi_decode.weights import make_layer_weights
 
 D = 7168
@@ -254,49 +255,34 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     from kimi_decode.kernels import moe_pipe as kp
     assert kp.parse_pipe_variant("pf0-tail3072") == (dict(prefetch_down=False), dict(prefetch_tail_rows=3072))
     assert kp.parse_pipe_variant("contig") == ({}, dict(balanced=False))
-    assert kp.parse_pipe_variant("contig-upearly4-downearly3") == (dict(early_slots=4),
-                                                                   dict(balanced=False, early_slots=3))
-    for bad in ("pf2-tail0", "pf1-tail99999", "", "fast", "pf1-tail0-front1", "contig-", "upearly"):
+    # run 13's kernels: no merged prologue, every ring slot requested first, contiguous moe_down runs
+    assert kp.parse_pipe_variant("pro0-contig-upearly4-downearly3") == (
+        dict(prologue=False, early_slots=4), dict(prologue=False, balanced=False, early_slots=3))
+    assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1),
+                                              dict(prologue=False, producer_warp=False, swap_shared=False))
+    for bad in ("pf2-tail0", "pf1-tail99999", "", "fast", "pf1-tail0-front1", "contig-", "upearly", "pro2"):
         with pytest.raises(ValueError, match="pf1-tail2048"):
             kp.parse_pipe_variant(bad)
-    s8 = km.shapes_for_tp(8)
-    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s8, prefetch_down=True, early_slots=4),
-                                kp.MoEDownPipeKey(s8, prefetch_tail_rows=2048, balanced=False, early_slots=3)) == \
-        "upearly4-pf1-tail2048-contig-downearly3"
+    with pytest.raises(ValueError, match="needs pro0"):  # z is staged in the ring: nothing may fly before it
+        kp.parse_pipe_variant("upearly1")
     s = km.shapes_for_tp(8)
-    up, down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
-    assert kp.pipe_variant_name(up, down) == "default"
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, prologue=False, early_slots=4, prefetch_down=True),
+                                kp.MoEDownPipeKey(s, prefetch_tail_rows=2048, balanced=False, early_slots=3)) == \
+        "pro0-upearly4-pf1-tail2048-contig-downearly3"
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)) == "default"
     up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
-    for v in ("contig", "contig-upearly4-downearly3", "upearly4-downearly3", "downearly2"):  # the comparison runs
-        u, d = kp.parse_pipe_variant(v)
-        assert kp.MoEUpPipeKey(s, **u) in up_keys and kp.MoEDownPipeKey(s, **d) in down_keys, v
-    for p in kp.TUNE_PF_UP:
-        assert kp.MoEUpPipeKey(s, prefetch_down=p) in up_keys
-    for n in kp.TUNE_PF_TAIL:
-        assert kp.MoEDownPipeKey(s, prefetch_tail_rows=n) in down_keys
-
-
-RUN18_VARIANTS = ("pro", "epi-prod", "swap", "pro-epi-prod-swap")
-
-
-def test_prologue_and_extra_warp_options_parse_and_are_compiled_ahead_of_time():
-    from kimi_decode.kernels import moe as km
-    from kimi_decode.kernels import moe_pipe as kp
-    assert kp.parse_pipe_variant("pro") == (dict(prologue=True, early_slots=0), dict(prologue=True))
-    assert kp.parse_pipe_variant("epi-prod-swap") == (dict(epilogue_warp=True),
-                                                      dict(producer_warp=True, swap_shared=True))
-    with pytest.raises(ValueError, match="upearly0"):  # z is staged in the ring: nothing may fly before it
-        kp.parse_pipe_variant("pro-upearly1")
-    s = km.shapes_for_tp(8)
-    up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
-    for v in RUN18_VARIANTS:
+    for v in kp.AOT_VARIANTS:  # the comparison runs
         u, d = kp.parse_pipe_variant(v)
         up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
         assert up in up_keys and down in down_keys, v
-        assert kp.pipe_variant_name(up, down) == v
+        assert kp.pipe_variant_name(up, down) == ("run17" if v == kp.RUN17 else v)
         assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
-    u, d = kp.parse_pipe_variant("pro-epi-prod-swap")  # its timeline build too
-    assert kp.MoEUpPipeKey(s, trace=True, **u) in up_keys and kp.MoEDownPipeKey(s, trace=True, **d) in down_keys
+    # the defaults (run 19's options all on) and their timeline builds
+    assert kp.MoEUpPipeKey(s, trace=True) in up_keys and kp.MoEDownPipeKey(s, trace=True) in down_keys
+    up = kp.MoEUpPipeKey(s)
+    assert up.prologue and up.epilogue_warp and up.early_slots == 0
+    down = kp.MoEDownPipeKey(s)
+    assert down.prologue and down.producer_warp and down.swap_shared
 
 
 def test_prologue_and_extra_warp_options_compile(compiler):
@@ -312,12 +298,15 @@ def test_prologue_and_extra_warp_options_compile(compiler):
     def count(key, what):
         return len(re.findall(re.escape(what), kc.ptx_text(key)))
 
-    base_up, base_down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
-    pro_up, pro_down = kp.MoEUpPipeKey(s, prologue=True, early_slots=0), kp.MoEDownPipeKey(s, prologue=True)
+    base_up = kp.MoEUpPipeKey(s, prologue=False, early_slots=1, epilogue_warp=False)  # run 17's kernels
+    base_down = kp.MoEDownPipeKey(s, prologue=False, producer_warp=False, swap_shared=False)
+    pro_up = kp.MoEUpPipeKey(s, epilogue_warp=False)
+    pro_down = kp.MoEDownPipeKey(s, producer_warp=False, swap_shared=False)
     assert count(pro_up, "cp.async.bulk.shared") > count(base_up, "cp.async.bulk.shared")
     assert count(pro_down, "cp.async.bulk.shared") > count(base_down, "cp.async.bulk.shared")
     assert count(pro_down, "ld.global") < count(base_down, "ld.global")
-    epi, prod = kp.MoEUpPipeKey(s, epilogue_warp=True), kp.MoEDownPipeKey(s, producer_warp=True)
+    epi = kp.MoEUpPipeKey(s, prologue=False, early_slots=1)
+    prod = kp.MoEDownPipeKey(s, prologue=False, swap_shared=False)
     assert count(epi, "mma.sync") == count(base_up, "mma.sync")
     assert count(prod, "mma.sync") == count(base_down, "mma.sync")
     assert count(epi, "bar.sync") < count(base_up, "bar.sync")  # one CTA barrier per item instead of two
@@ -326,11 +315,12 @@ def test_prologue_and_extra_warp_options_compile(compiler):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", RUN18_VARIANTS)
+@pytest.mark.parametrize("variant", [None, *AOT_VARIANTS])
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 1), (1, 3), (8, 1), (1, 8)])
 def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant, batch, tokens):
-    """The one-round-trip prologues, the extra warps and the reversed shared split change no result, at every
-    token count the pipelined kernels take (1..8; z and a staged for each token)."""
+    """The defaults (one-round-trip prologues, the extra warps, the reversed shared split) and each of them
+    turned off (and run 17's kernels) give the reference, at every token count the pipelined kernels take
+    (1..8; z and a staged for each token)."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch * tokens, D, seed=90 + batch * tokens, device="cuda")
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
@@ -348,17 +338,6 @@ def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
         assert "cp.async.bulk.prefetch.L2.global" in ptx, key
         assert kc.resource_usage(key)["STACK"] == 0, key
     assert "prefetch.L2" not in kc.ptx_text(kp.MoEUpPipeKey(s))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pf1-tail2048", "contig-upearly4-downearly3", "downearly2"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_fused_prefetch_variants_match_the_reference(w8, variant, batch):
-    """The pipelined kernels' options (L2 prefetch, item split, ring start) change no result."""
-    from kimi_decode.moe_bench import check_moe, moe_input
-    x = moe_input(batch, D, seed=70 + batch, device="cuda")
-    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
-    assert r["all_written"] and r["check_ok"], r
 
 
 def test_variant_names_parse_and_round_trip():

@@ -57,16 +57,16 @@ class MoEUpPipeKey:
     trace: bool = False  # record per-CTA checkpoints (TRACE_UP) into the timeline buffer (kimi-decode moe --trace)
     # ring slots requested before z is staged; the others after. The staging loads queue behind whatever bulk
     # data is already on its way to the SM: with all 4 slots first (run 13) staging took about 3 µs (run 16)
-    early_slots: int = 1
+    early_slots: int = 0  # 1 in run 17's kernels (without the merged prologue, which stages z in the ring)
     # 'pro': the prologue in one round trip. Thread 0 bulk-copies the routing tables and the tokens' z rows
     # (fp32, into the still idle ring) on one mbarrier right after the wait; all threads then convert z to bf16
     # pairs and the whole ring is requested (no slot early: early_slots must be 0). Without it the tables, z and
     # the first slot take three dependent round trips (3.2 µs at batch 1, run 17's trace)
-    prologue: bool = False
+    prologue: bool = True  # run 19: staged 1.4 µs after the wait instead of 3.2
     # 'epi': one more warp that does no arithmetic: after each item's barrier it refills the slot and reduces
     # the compute warps' K partials (double-buffered) into SiTU, while the compute warps go on to the next item
     # (one CTA barrier per item instead of two; the refill and the reduction leave the compute warps' path)
-    epilogue_warp: bool = False
+    epilogue_warp: bool = True
     arch: str = "sm_90a"
 
 
@@ -486,13 +486,13 @@ class MoEDownPipeKey:
     # 'pro': the routing tables (before the wait) and then a and a_shared (after it) each come in one bulk copy
     # on an mbarrier, a then permuted in place into the mma's B order; without it the tables take two dependent
     # round trips and staging a one round trip per 16-byte load of each thread (3.3 µs at batch 1, run 17)
-    prologue: bool = False
+    prologue: bool = True
     # 'prod': one more warp that does no arithmetic and refills each item's slot after the item's barrier,
     # instead of thread 0 of the first compute warp
-    producer_warp: bool = False
+    producer_warp: bool = True
     # 'swap': the balanced split gives the CTAs with one expert item more one shared item fewer (the shared
     # items are dealt in reverse CTA order), so no CTA carries the extra item of both kinds
-    swap_shared: bool = False
+    swap_shared: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -898,77 +898,88 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 # --------------------------------------------------------------------------- registry
 
 
-# prefetch variants compiled ahead of time at TP8 for the on-GPU comparison (`kimi-decode moe --executors
-# fused@pf0-tail0,...`; see parse_pipe_variant)
-TUNE_PF_UP = (True,)
-TUNE_PF_TAIL = (2048,)
+RUN17 = "pro0-epi0-prod0-swap0"  # the run-17 kernels (the package default before run 19), kept for comparison
+# the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
+# run-17 kernels and each run-19 option turned off alone. Others (pf1, tailN, contig, upearlyN, ...) need the
+# compiler on the GPU host
+AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0")
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
-    Options: pf0/pf1 (moe_up prefetches moe_down's bytes into L2; default 0), tailN (moe_down prefetches the
-    tail's last N W_up rows; default 0), contig (moe_down's items as one contiguous run per CTA instead of
-    balanced runs), upearlyN / downearlyN (ring slots requested before the staging; default 1), pro (both
-    kernels' prologues in one bulk round trip each; implies upearly0), epi (moe_up's epilogue warp), prod
-    (moe_down's producer warp), swap (moe_down deals its shared items in reverse CTA order).
-    E.g. 'pf1-tail2048', 'contig-upearly4-downearly3' (run 13's kernels), 'pro-epi-prod-swap'."""
+    Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
+    pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
+    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on],
+    pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
+    rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
+    downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
+    means upearly1, as in run 17]; run17 = pro0-epi0-prod0-swap0 (run 17's kernels).
+    E.g. 'pf1-tail2048', 'run17', 'pro0-contig-upearly4-downearly3' (run 13's kernels)."""
     import re
 
     up, down = {}, {}
-    for tok in text.split("-") if text else ["?"]:
-        if m := re.fullmatch(r"pf([01])", tok):
-            up["prefetch_down"] = m.group(1) == "1"
+    toks = text.split("-") if text else ["?"]
+    if "run17" in toks:
+        toks = [t for t in toks if t != "run17"] + RUN17.split("-")
+    for tok in toks:
+        if m := re.fullmatch(r"pf([01]?)", tok):
+            up["prefetch_down"] = m.group(1) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
         elif tok == "contig":
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
-        elif tok == "pro":
-            up["prologue"] = down["prologue"] = True
-        elif tok == "epi":
-            up["epilogue_warp"] = True
-        elif tok == "prod":
-            down["producer_warp"] = True
-        elif tok == "swap":
-            down["swap_shared"] = True
+        elif m := re.fullmatch(r"pro([01]?)", tok):
+            up["prologue"] = down["prologue"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"epi([01]?)", tok):
+            up["epilogue_warp"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"prod([01]?)", tok):
+            down["producer_warp"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"swap([01]?)", tok):
+            down["swap_shared"] = m.group(1) != "0"
         else:
-            raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pf0/pf1 (moe_up prefetches "
-                             f"moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
-                             f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring slots "
-                             f"requested before the staging), pro (one-round-trip prologues), epi (moe_up's epilogue "
-                             f"warp), prod (moe_down's producer warp), swap (moe_down's shared items dealt in reverse), "
-                             f"e.g. pf1-tail2048 or pro-epi-prod-swap; got {text!r}")
-    if up.get("prologue"):
-        if up.setdefault("early_slots", 0) != 0:
-            raise ValueError(f"'pro' stages z in moe_up's ring, so no ring slot can be requested before it "
-                             f"(upearly0); got {text!r}")
+            raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
+                             f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
+                             f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), pf0/pf1 (moe_up "
+                             f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
+                             f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
+                             f"slots requested before the staging), run17; e.g. pf1-tail2048 or run17; got {text!r}")
+    if up.get("prologue", MoEUpPipeKey.prologue):
+        if up.get("early_slots", 0) != 0:
+            raise ValueError(f"the merged prologue stages z in moe_up's ring, so no ring slot can be requested "
+                             f"before it: upearlyN needs pro0; got {text!r}")
+    else:
+        up.setdefault("early_slots", 1)  # run 17's ring start
     return up, down
 
 
 def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     """The options of `parse_pipe_variant` that differ from the defaults ('default' if none)."""
     parts = []
+    if not up.prologue:
+        parts.append("pro0")
+    if not up.epilogue_warp:
+        parts.append("epi0")
+    if up.early_slots != (0 if up.prologue else 1):
+        parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
         parts.append("pf1")
     if isinstance(down, MoEDownPipeKey):
+        if up.prologue and not down.prologue:  # the two kernels' prologues set apart (not from a variant string)
+            parts.append("downpro0")
         if down.prefetch_tail_rows:
             parts.append(f"tail{down.prefetch_tail_rows}")
         if not down.balanced:
             parts.append("contig")
         if down.early_slots != MoEDownPipeKey.early_slots:
             parts.append(f"downearly{down.early_slots}")
-        if down.producer_warp:
-            parts.append("prod")
-        if down.swap_shared:
-            parts.append("swap")
-    if up.epilogue_warp:
-        parts.insert(0, "epi")
-    if up.early_slots != MoEUpPipeKey.early_slots and not (up.prologue and up.early_slots == 0):
-        parts.insert(0, f"upearly{up.early_slots}")
-    if up.prologue or (isinstance(down, MoEDownPipeKey) and down.prologue):
-        parts.insert(0, "pro")
-    return "-".join(parts) or "default"
+        if not down.producer_warp:
+            parts.append("prod0")
+        if not down.swap_shared:
+            parts.append("swap0")
+    name = "-".join(parts) or "default"
+    return "run17" if name == RUN17 else name
 
 
 def _aot_keys(kind: str):
@@ -981,25 +992,11 @@ def _aot_keys(kind: str):
             if tp == 8:
                 out.append(make(s, pdl=False, arch=arch))
                 out.append(make(s, trace=True, arch=arch))  # the timeline build (kimi-decode moe --trace)
-                if kind == "up":
-                    out += [MoEUpPipeKey(s, prefetch_down=p, arch=arch) for p in TUNE_PF_UP]
-                    out.append(MoEUpPipeKey(s, early_slots=4, arch=arch))  # run 13's ring start
-                    # the run-18 options (pro, epi), alone, together, and the timeline build of both
-                    for pro, epi, tr in ((True, False, False), (False, True, False), (True, True, False),
-                                         (True, True, True)):
-                        out.append(MoEUpPipeKey(s, prologue=pro, early_slots=0 if pro else 1, epilogue_warp=epi,
-                                                trace=tr, arch=arch))
-                else:
-                    out += [MoEDownPipeKey(s, prefetch_tail_rows=n, arch=arch) for n in TUNE_PF_TAIL]
-                    out.append(MoEDownPipeKey(s, balanced=False, arch=arch))  # the run-13 split, for comparison
-                    out += [MoEDownPipeKey(s, early_slots=e, arch=arch) for e in (2, 3)]
-                    out.append(MoEDownPipeKey(s, balanced=False, early_slots=3, arch=arch))  # run 13's moe_down
-                    # the run-18 options (pro, prod, swap)
-                    for pro, prod, swap, tr in ((True, False, False, False), (False, True, False, False),
-                                                (False, False, True, False), (True, True, True, False),
-                                                (True, True, True, True)):
-                        out.append(MoEDownPipeKey(s, prologue=pro, producer_warp=prod, swap_shared=swap, trace=tr,
-                                                  arch=arch))
+                for v in AOT_VARIANTS:
+                    kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
+                    key = make(s, arch=arch, **kw)
+                    if key not in out:
+                        out.append(key)
         return out
     return keys
 
