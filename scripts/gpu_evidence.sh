@@ -36,6 +36,7 @@ stage_cmd() {
     moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv" ;;
     moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
+    moe-early) echo "$KD moe --executors stock,fused,fused@downearly0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_early_h200_tp8.csv && $KD moe --trace --executors fused@downearly0 --tps 8 --batches 1 --no-progress --out $M/moe_trace_downearly0_h200_tp8.csv" ;;
     moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_h200_tp8.csv" ;;
     moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
     moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;

@@ -900,9 +900,10 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 RUN17 = "pro0-epi0-prod0-swap0"  # the run-17 kernels (the package default before run 19), kept for comparison
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
-# run-17 kernels and each run-19 option turned off alone. Others (pf1, tailN, contig, upearlyN, ...) need the
+# run-17 kernels, each run-19 option turned off alone, and moe_down without a ring slot requested before its wait
+# (its a staging queued 2.4 µs behind that slot in run 20). Others (pf1, tailN, contig, upearlyN, ...) need the
 # compiler on the GPU host
-AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0")
+AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "downearly0")
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -997,6 +998,8 @@ def _aot_keys(kind: str):
                     key = make(s, arch=arch, **kw)
                     if key not in out:
                         out.append(key)
+                if kind == "down":  # the timeline of the downearly0 comparison
+                    out.append(MoEDownPipeKey(s, early_slots=0, trace=True, arch=arch))
         return out
     return keys
 
