@@ -106,9 +106,9 @@ def short_kernel_name(name: str) -> str:
     """The kernel's own identifier from a mangled or demangled name: '_Z19splitKreduce_kernelILi32E...'
     -> 'splitKreduce_kernel', 'void cutlass::Kernel2<...>(...)' -> 'Kernel2', 'triton_kernel' -> itself."""
     if name.startswith("_Z"):
-        s = name[2:]
+        s = name[2:].removeprefix("L")  # internal linkage
         if s.startswith("N"):  # nested name: take the last source name before 'E' / template args
-            s, last = s[1:], ""
+            s, last = s[1:].lstrip("rVK"), ""  # cv-qualifiers of a member function
             while s and s[0].isdigit():
                 m = re.match(r"(\d+)", s)
                 k = int(m.group(1))

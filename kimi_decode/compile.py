@@ -130,9 +130,10 @@ def _package_imports(path: Path, package_dir: Path) -> set[Path]:
 
 
 def source_files(spec: KernelSpec) -> list[Path]:
-    """The files whose text decides the compiled code: the kernel file, every module of its package it imports
-    (directly or through another; e.g. moe_pipe.py's helpers in moe.py, ptx_ops.py and mxfp4_decode.py), and
-    this one."""
+    """The files whose text decides the compiled code: the kernel file, the modules of its own package it imports
+    relatively (`from .x import`, directly or through another; e.g. moe_pipe.py's helpers in moe.py, ptx_ops.py
+    and mxfp4_decode.py), and this one. Modules outside the kernels package (e.g. `..config`, read for shapes
+    that are part of every key) are not hashed."""
     mod = importlib.import_module(spec.module)
     first = Path(mod.__file__).resolve()
     seen, todo = {first}, [first]

@@ -110,7 +110,7 @@ def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor
         copy_bw_GBps=copy_bw / 1e9, floor_us=b.streamed / copy_bw * 1e6,
     )
     row["fraction_of_floor"] = row["floor_us"] / row["us_median"]
-    if row["kernels_inventory"] is not None:
+    if row["kernels_inventory"] is not None and row["launches_measured"] == row["launches_measured"]:  # not NaN
         row["counts_match"] = bool(row["launches_measured"] == row["kernels_inventory"])
     del execs
     torch.cuda.empty_cache()

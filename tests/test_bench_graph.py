@@ -25,6 +25,8 @@ def test_kernel_node_params_layout_matches_cuda_h():
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)",
      "vectorized_elementwise_kernel"),
     ("kda_decode_kernel", "kda_decode_kernel"),
+    ("_ZL12local_kernelPf", "local_kernel"),  # internal linkage
+    ("_ZNK3foo6kernelEv", "kernel"),  # const member
 ])
 def test_short_kernel_name(name, short):
     assert short_kernel_name(name) == short

@@ -260,14 +260,23 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
         dict(prologue=False, early_slots=4), dict(prologue=False, balanced=False, early_slots=3))
     assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1),
                                               dict(prologue=False, producer_warp=False, swap_shared=False))
+    # run17 is expanded where it stands: what follows it changes it
+    assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
+    assert kp.parse_pipe_variant("swap1-run17")[1]["swap_shared"] is False
     for bad in ("pf2-tail0", "pf1-tail99999", "", "fast", "pf1-tail0-front1", "contig-", "upearly", "pro2"):
         with pytest.raises(ValueError, match="pf1-tail2048"):
             kp.parse_pipe_variant(bad)
     with pytest.raises(ValueError, match="needs pro0"):  # z is staged in the ring: nothing may fly before it
         kp.parse_pipe_variant("upearly1")
     s = km.shapes_for_tp(8)
+    for v in ("uppro0", "downpro0", "run17-swap1", "pro0-contig-upearly4-downearly3"):  # names round-trip
+        u, d = kp.parse_pipe_variant(v)
+        up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
+        u2, d2 = kp.parse_pipe_variant(kp.pipe_variant_name(up, down))
+        assert (kp.MoEUpPipeKey(s, **u2), kp.MoEDownPipeKey(s, **d2)) == (up, down), v
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, prologue=False, early_slots=4, prefetch_down=True),
-                                kp.MoEDownPipeKey(s, prefetch_tail_rows=2048, balanced=False, early_slots=3)) == \
+                                kp.MoEDownPipeKey(s, prefetch_tail_rows=2048, balanced=False, early_slots=3,
+                                                  prologue=False)) == \
         "pro0-upearly4-pf1-tail2048-contig-downearly3"
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)) == "default"
     up_keys, down_keys = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")

@@ -8,8 +8,8 @@ arithmetic (17.8 and 24.4 µs inside the H200 graph against a 5.5 and 5.4 µs fl
 
 Here one CTA per SM walks a list of work items (expert × row block). One thread streams each item's
 contiguous bytes (codes and scales) into a ring of `stages` shared-memory slots with `cp.async.bulk`,
-completing an mbarrier per slot; every warp computes from the slot, then the slot is refilled with
-the item `stages` ahead. So each SM keeps up to `stages` items of bytes in flight, independent of
+completing an mbarrier per slot; the compute warps work from the slot, then the slot is refilled with
+the item `stages` ahead (by an extra warp that does no arithmetic, in the default builds). So each SM keeps up to `stages` items of bytes in flight, independent of
 registers, and the arithmetic of one item overlaps the loads of the next ones.
 
 moe_up (MoEUpPipeKey): an item is 8 intermediate rows of one active expert. Its W1 and W3 rows form the
@@ -335,7 +335,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                     issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 2)
-        if const_expr(PF):  # the active experts' W2 codes and scales, behind this CTA's first ring slots
+        if const_expr(PF):  # the active experts' W2 codes and scales, behind any ring slots requested early
             if tid == 32:
                 npf = nact * PF_E if nact <= PF_MAX_ACTIVE else 0
                 for k in cutlass.range(bx, npf, G):
@@ -425,7 +425,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                     if tid == 0 and n < TRACE_ITEMS:
                         stamp(mTrace, bx, 5 + 2 * n)
             n = n + 1
-        if const_expr(TR):
+        if const_expr(TR):  # with the epilogue warp, its last reduction may still be running
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
 
@@ -464,10 +464,11 @@ class MoEDownPipeKey:
     rows 16w..16w+15 as an mma.sync A operand (decoded to bf16 pairs as in moe_up) over the whole K = I, the
     expert's tokens (a, bf16, from shared memory) are the B columns; w · a·W2ᵀ is added into the CTA's fp32
     sum of its row block. A shared item is `rows_per_item` rows of the shared experts' down projection (bf16,
-    CUDA cores). Items are ordered (row block, expert), then the shared ones, and each CTA takes a contiguous
-    run, so it sums one row block over consecutive experts in shared memory and adds the sum into the rank's
-    latent partial (red.add) once per row block; the CTA that completes a row block's expert count (an atomic
-    counter) does its one-shot all-reduce read and stores r (bf16)."""
+    CUDA cores). Expert items are ordered (row block, expert); each CTA takes a run of them (`balanced`: an equal
+    share of the expert items and of the shared items; otherwise one contiguous run of both), so it sums one row
+    block over consecutive experts in shared memory and adds the sum into the rank's latent partial (red.add)
+    once per row block; the CTA that completes a row block's expert count (an atomic counter) does its one-shot
+    all-reduce read and stores r (bf16)."""
 
     shape: MoEShape
     warps: int = 8
@@ -490,8 +491,10 @@ class MoEDownPipeKey:
     # 'prod': one more warp that does no arithmetic and refills each item's slot after the item's barrier,
     # instead of thread 0 of the first compute warp
     producer_warp: bool = True
-    # 'swap': the balanced split gives the CTAs with one expert item more one shared item fewer (the shared
-    # items are dealt in reverse CTA order), so no CTA carries the extra item of both kinds
+    # 'swap': the balanced split deals the shared items in reverse CTA order. Meant to keep the CTAs with an
+    # extra expert item from also getting an extra shared item; with floor splits of equal counts it barely does
+    # (at batch 1, 448 expert and 448 shared items: 48 CTAs carry both extras instead of 52) and it measured no
+    # difference (run 20). Pairing them properly would give the shared extras to the CTAs without an expert one
     swap_shared: bool = True
     arch: str = "sm_90a"
 
@@ -551,6 +554,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     PRO, PROD, SWAP = key.prologue, key.producer_warp, key.swap_shared
     THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
+    # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
+    # WARPS if a step could hold more tokens than there are compute warps
+    assert not PROD or WARPS >= MXT, "the producer warp needs at least PIPE_MAX_M compute warps"
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     WROW = I // 8  # words per W2 row
     SROW = I // 32
@@ -914,14 +920,16 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
-    means upearly1, as in run 17]; run17 = pro0-epi0-prod0-swap0 (run 17's kernels).
+    means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run17 = pro0-epi0-prod0-swap0
+    (run 17's kernels, expanded where it stands, so that 'run17-swap1' is run 17's kernels with the swap).
     E.g. 'pf1-tail2048', 'run17', 'pro0-contig-upearly4-downearly3' (run 13's kernels)."""
     import re
 
     up, down = {}, {}
     toks = text.split("-") if text else ["?"]
-    if "run17" in toks:
-        toks = [t for t in toks if t != "run17"] + RUN17.split("-")
+    if "run17" in toks:  # expanded in place, so that options after it change it
+        i = toks.index("run17")
+        toks = toks[:i] + RUN17.split("-") + toks[i + 1:]
     for tok in toks:
         if m := re.fullmatch(r"pf([01]?)", tok):
             up["prefetch_down"] = m.group(1) != "0"
@@ -931,8 +939,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
-        elif m := re.fullmatch(r"pro([01]?)", tok):
-            up["prologue"] = down["prologue"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"(up|down)?pro([01]?)", tok):
+            for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
+                side["prologue"] = m.group(2) != "0"
         elif m := re.fullmatch(r"epi([01]?)", tok):
             up["epilogue_warp"] = m.group(1) != "0"
         elif m := re.fullmatch(r"prod([01]?)", tok):
@@ -958,8 +967,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
 def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     """The options of `parse_pipe_variant` that differ from the defaults ('default' if none)."""
     parts = []
+    down_pro = down.prologue if isinstance(down, MoEDownPipeKey) else up.prologue
     if not up.prologue:
-        parts.append("pro0")
+        parts.append("pro0" if not down_pro else "uppro0")
     if not up.epilogue_warp:
         parts.append("epi0")
     if up.early_slots != (0 if up.prologue else 1):
@@ -967,7 +977,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     if up.prefetch_down:
         parts.append("pf1")
     if isinstance(down, MoEDownPipeKey):
-        if up.prologue and not down.prologue:  # the two kernels' prologues set apart (not from a variant string)
+        if up.prologue and not down.prologue:  # the two kernels' prologues set apart
             parts.append("downpro0")
         if down.prefetch_tail_rows:
             parts.append(f"tail{down.prefetch_tail_rows}")
