@@ -166,6 +166,13 @@ class GraphTiming:
         captured as one of these instead of a kernel (e.g. KDA's copy into core_attn_out at TP16)."""
         return (self.node_counts.get("memcpy", 0) + self.node_counts.get("memset", 0)) / self.copies
 
+    def count_columns(self) -> dict:
+        """The kernel-count columns of a benchmark row: raw kernels, library helpers, copy nodes, launches as the
+        inventory counts them, and the first layer copy's kernel sequence."""
+        return dict(kernels_measured=self.kernels_per_layer, library_helpers_measured=self.helper_kernels_per_layer,
+                    copy_nodes_measured=self.copy_nodes_per_layer, launches_measured=self.launches_per_layer,
+                    kernel_sequence=";".join(self.kernel_names))
+
     @property
     def launches_per_layer(self) -> float:
         """The ops the stream ran per layer, as the inventory counts them: kernels, with each library helper

@@ -118,12 +118,8 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
                         copies_w, execs = _moe_copies(make, w, copies_w, copies, N, seed)
                         t = time_graph(execs, replays=replays)
                         row.update(us_median=t.us_median, us_p10=t.us_p10, us_p90=t.us_p90, replays=t.replays,
-                                   copies=copies, kernels_measured=t.kernels_per_layer,
-                                   kernels_inventory=len(execs[0].launches()),
-                                   library_helpers_measured=t.helper_kernels_per_layer,
-                                   copy_nodes_measured=t.copy_nodes_per_layer,
-                                   launches_measured=t.launches_per_layer,
-                                   kernel_sequence=";".join(t.kernel_names), bytes_streamed=streamed,
+                                   copies=copies, **t.count_columns(),
+                                   kernels_inventory=len(execs[0].launches()), bytes_streamed=streamed,
                                    achieved_GBps=streamed / (t.us_median * 1e-6) / 1e9, copy_bw_GBps=copy_bw / 1e9,
                                    floor_us=streamed / copy_bw * 1e6)
                         row["floor_ratio"] = row["us_median"] / row["floor_us"]

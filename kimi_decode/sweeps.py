@@ -99,11 +99,8 @@ def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor
     b = layer_bytes(kind, shard, shape, active_experts=active)
     row.update(
         us_median=timing.us_median, us_p10=timing.us_p10, us_p90=timing.us_p90, replays=timing.replays,
-        copies=copies, kernels_measured=timing.kernels_per_layer,
+        copies=copies, **timing.count_columns(),
         kernels_inventory=(len(execs[0].launches()) or None) if hasattr(execs[0], "launches") else None,
-        library_helpers_measured=timing.helper_kernels_per_layer, copy_nodes_measured=timing.copy_nodes_per_layer,
-        launches_measured=timing.launches_per_layer,
-        kernel_sequence=";".join(timing.kernel_names),
         graph_nodes=";".join(f"{k}={v}" for k, v in sorted(timing.node_counts.items())),
         active_experts=b.active_experts, bytes_streamed=b.streamed,
         achieved_GBps=b.streamed / (timing.us_median * 1e-6) / 1e9,

@@ -153,6 +153,25 @@ def stage_routing_tables():
     return _TABLES
 
 
+def bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, bar):
+    """(one thread, traced inline; the 'pro' prologues) bulk-copy meta and the routing tables (active experts,
+    their (offset, count) lists, the M tokens' grouped ids) into shared memory, completing on mbarrier address
+    `bar`; returns the bytes they bring, for the caller's expect_tx."""
+    from .ptx_ops import bulk_g2s
+
+    bulk = bulk_g2s()
+    bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, bar)
+    bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, bar)
+    bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, bar)
+    bulk(s_tok.iterator.toint(), mTok.iterator.toint(), M * (TOPK * 4), bar)
+
+
+def routing_table_bytes(M, per_token: int = 0):
+    """Bytes `bulk_routing_tables` brings for M tokens, plus `per_token` more bytes per token that the caller
+    copies on the same mbarrier."""
+    return 16 + E * 12 + M * (TOPK * 4 + per_token)
+
+
 def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0):
     """(traced inline) One lane's share of a 128-code super-block: acc += A·B over 8 mma.sync m16n8k16, A rows
     g and g+8 from the 4 code words wa, wb (scale pairs sa, sb) decoded to bf16 pairs, B from the staged
@@ -254,12 +273,9 @@ def build_up_pipe(key: MoEUpPipeKey):
         M = mF.shape[0]
         pb = pbar.iterator
         if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pb, 16 + E * 12 + M * (TOPK * 4 + L * 4))
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M, per_token=L * 4))
             b = pb.toint()
-            bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, b)
-            bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, b)
-            bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, b)
-            bulk(s_tok.iterator.toint(), mTok.iterator.toint(), M * (TOPK * 4), b)
+            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, b)
             for t in cutlass.range(M):
                 bulk(ring_w.iterator.toint() + t * (L * 4), mF.iterator.toint() + Int64(t) * F_ROW + Z0 * 4,
                      L * 4, b)
@@ -597,12 +613,8 @@ def build_down_pipe(key: MoEDownPipeKey):
         (phase 0 of pbar). Returns the number of active experts."""
         pb = pbar.iterator
         if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pb, 16 + E * 12 + M * (TOPK * 4))
-            b = pb.toint()
-            bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, b)
-            bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, b)
-            bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, b)
-            bulk(s_tok.iterator.toint(), mTok.iterator.toint(), M * (TOPK * 4), b)
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M))
+            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pb.toint())
         cute.arch.mbarrier_wait(pb, 0)
         return s_meta[0]
 
