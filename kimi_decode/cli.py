@@ -161,6 +161,13 @@ def _cmd_profile(args) -> int:
     req = ProfileRequest(args.executor, args.layer, args.tp, args.batch, args.tokens, args.context,
                          args.metrics, args.seed)
     req.check()
+    if args.source is not None:
+        import re
+        try:
+            re.compile(args.source)
+        except re.error as e:
+            print(f"kimi-decode profile: --source is not a regular expression ({e})", file=sys.stderr)
+            return 2
     try:
         df = profile(req, backend=args.backend)
     except ProfilerUnavailable as e:
@@ -171,6 +178,9 @@ def _cmd_profile(args) -> int:
     print(df[cols].to_string(index=False))
     print(f"{len(df)} kernels, {df.duration_us.sum():.1f} µs in total ({df.backend.iloc[0]}); "
           f"saved to {profile_folder(req)}")
+    if args.source:
+        from .profile import source_page
+        print(f"source counters: {source_page(req, args.source)}")
     return 0
 
 
@@ -278,7 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", required=True, choices=LAYER_KINDS)
     p.add_argument("--tp", type=int, default=8)
     _add_shape_args(p, context_default=8192)
-    p.add_argument("--metrics", default="full", help="metric set: time, memory, full (default full)")
+    p.add_argument("--metrics", default="full",
+                   help="metric set: time, memory, full (default), stalls (warp-state reasons, issue activity, "
+                        "shared-memory wavefronts and bank conflicts; saved under profiles/<executor>/stalls/)")
+    p.add_argument("--source", default=None, metavar="REGEX",
+                   help="also sample the warp states of every SASS instruction of the kernels matching REGEX "
+                        "(ncu's source page, saved as source/source_sass.csv in the profile folder)")
     p.add_argument("--backend", default=None, choices=["nsight-python", "ncu-cli"],
                    help="force a backend (default: chosen automatically)")
     p.add_argument("--seed", type=int, default=0)

@@ -55,8 +55,32 @@ METRIC_SETS["full"] = METRIC_SETS["memory"] + [
     "launch__block_size",
 ]
 
+# why warps did not issue (ncu's warp-state reasons), in warp-cycles per issued instruction: where a kernel's
+# time goes when it is bound by neither bytes nor issue slots (latency chains, barriers, shared memory)
+STALL_REASONS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle", "long_scoreboard",
+                 "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected",
+                 "short_scoreboard", "sleeping", "tex_throttle", "wait")
+METRIC_SETS["stalls"] = METRIC_SETS["time"] + [
+    f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio" for r in STALL_REASONS] + [
+    "smsp__average_warp_latency_per_inst_issued.ratio",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "smsp__inst_executed.sum",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "launch__registers_per_thread",
+]
+
 # metric -> column of the result frame
 COLUMNS = {
+    **{f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio": f"stall_{r}" for r in STALL_REASONS},
+    "smsp__average_warp_latency_per_inst_issued.ratio": "warp_cycles_per_issue",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_active_pct",
+    "smsp__inst_executed.sum": "warp_instructions",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pipe_active_pct",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": "smem_ld_wavefronts",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": "smem_ld_bank_conflicts",
     "gpu__time_duration.sum": "duration_ns",
     "dram__bytes_read.sum": "dram_read_bytes",
     "dram__bytes_write.sum": "dram_write_bytes",
@@ -97,6 +121,8 @@ class ProfileRequest:
 
     def folder_name(self) -> str:
         name = f"{self.layer}-tp{self.tp}-b{self.batch}"
+        if self.metric_set not in ("time", "memory", "full"):  # (their subsets of one layout share a folder)
+            name = f"{self.metric_set}/{name}"  # e.g. a stall profile does not replace the full one
         if self.tokens != 1:
             name += f"-t{self.tokens}"
         if self.layer == "mla_moe":
@@ -227,6 +253,50 @@ def ncu_command(req: ProfileRequest, report_base: Path) -> list[str]:
     return [exe, "--profile-from-start", "off", "--clock-control", "none", "--nvtx",
             "--metrics", ",".join(METRIC_SETS[req.metric_set]), "-f", "-o", str(report_base),
             sys.executable, "-m", "kimi_decode.profile", json.dumps(asdict(req))]
+
+
+def source_command(req: ProfileRequest, report_base: Path, kernels: str) -> list[str]:
+    """ncu collecting per-instruction warp-state samples (the SourceCounters section, densest sampling) of the
+    kernels whose names match the regular expression `kernels`, in one decode step."""
+    exe = ncu_path() or "ncu"
+    return [exe, "--profile-from-start", "off", "--clock-control", "none", "--nvtx",
+            "--kernel-name", f"regex:{kernels}", "--section", "SourceCounters", "--section", "WarpStateStats",
+            "--warp-sampling-interval", "0", "--import-source", "no", "-f", "-o", str(report_base),
+            sys.executable, "-m", "kimi_decode.profile", json.dumps(asdict(req))]
+
+
+def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> Path:
+    """Per-SASS-instruction stall samples of the matching kernels of one decode step: runs `source_command`, then
+    writes ncu's source page as CSV (`source_sass.csv`: every instruction with its sampled warp states) next to
+    the compressed report, in the profile folder's `source/`. Returns that folder."""
+    if not kernels:
+        raise ValueError("name the kernels to sample with a regular expression, e.g. 'up_kernel|down_kernel'")
+    re.compile(kernels)
+    req.check()
+    if choose_backend("ncu-cli") != "ncu-cli":
+        raise ProfilerUnavailable("source counters need the ncu command line")
+    folder = profile_folder(req) / "source"
+    folder.mkdir(parents=True, exist_ok=True)
+    from .distributed import multicast_off_env
+    env = dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(source_command(req, folder / "profile", kernels), capture_output=True, text=True, env=env)
+    log = res.stdout + res.stderr
+    if res.returncode == 0:
+        page = subprocess.run([ncu_path() or "ncu", "-i", str(folder / "profile.ncu-rep"), "--page", "source",
+                               "--csv", "--print-source", "sass"], capture_output=True, text=True)
+        (folder / "source_sass.csv").write_text(page.stdout)
+        log += page.stderr
+        res = page
+    (folder / "ncu.log").write_text(log)
+    if res.returncode != 0:
+        raise RuntimeError(f"ncu failed with exit code {res.returncode}; see {folder / 'ncu.log'}")
+    compress_report(folder)
+    from .bench import provenance
+    (folder / "provenance.json").write_text(json.dumps(
+        {**provenance(), "request": asdict(req), "kernels": kernels, "ncu": ".".join(map(str, ncu_version() or ()))},
+        indent=2, sort_keys=True))
+    return folder
 
 
 def _import_ncu_report():

@@ -104,3 +104,30 @@ def test_reports_are_kept_compressed_and_restored(tmp_path):
     assert xz.name == "profile.ncu-rep.xz" and not (tmp_path / "profile.ncu-rep").exists()
     assert xz.stat().st_size < len(data) / 10
     assert report_file(tmp_path).read_bytes() == data
+
+
+def test_stall_metric_set_has_columns_and_its_own_folder(tmp_path):
+    stalls = P.METRIC_SETS["stalls"]
+    assert stalls[0] == "gpu__time_duration.sum" and len(stalls) == len(set(stalls))
+    assert all(P.COLUMNS.get(m, "").startswith("stall_") for m in stalls if "_issue_stalled_" in m)
+    assert sum("_issue_stalled_" in m for m in stalls) == len(P.STALL_REASONS)
+    req = P.ProfileRequest(executor="fused-moe", metric_set="stalls")
+    assert P.profile_folder(req, tmp_path) == tmp_path / "fused-moe" / "stalls" / "kda_moe-tp8-b1"
+    df = P.frame_from_rows([{"label": "a", "kernel": "k", "gpu__time_duration.sum": 2000.0,
+                             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 3.5}], "ncu-cli")
+    assert df.stall_barrier.iloc[0] == 3.5 and df.duration_us.iloc[0] == 2.0
+
+
+def test_source_command_samples_only_the_named_kernels(tmp_path):
+    req = P.ProfileRequest(executor="fused-moe", batch=8)
+    cmd = P.source_command(req, tmp_path / "profile", "up_kernel|down_kernel")
+    assert cmd[cmd.index("--kernel-name") + 1] == "regex:up_kernel|down_kernel"
+    assert "SourceCounters" in cmd and cmd[cmd.index("--warp-sampling-interval") + 1] == "0"
+    assert cmd[cmd.index("--clock-control") + 1] == "none" and '"batch": 8' in cmd[-1]
+    with pytest.raises(ValueError, match="regular expression"):
+        P.source_page(req, "")
+
+
+def test_cli_refuses_a_bad_source_pattern(capsys):
+    assert main(["profile", "--executor", "fused-moe", "--layer", "kda_moe", "--source", "up_kernel("]) == 2
+    assert "regular expression" in capsys.readouterr().err
