@@ -542,3 +542,39 @@ def test_expert_kernels_are_chosen_by_token_count_and_mode():
     assert kinds(kp.PIPE_MAX_M + 1, variant="pf0-tail0")[:2] == ("MoEUpKey", "MoEDownKey")  # prefetch: pipelined only
     with pytest.raises(UnsupportedConfiguration, match="1..192"):
         expert_kernel_keys(s, 256, experts="direct", variant="w4r2-w4r16e2s4")
+
+
+def test_late_trigger_and_async_flush_options(compiler):
+    """'late' moves moe_down's launch_dependents after its staging (the same instructions otherwise); 'aflush'
+    flushes row blocks on the producer warp (a bar.arrive on barrier 1 that the compute warps sync on, the same
+    mma count, its own r² buffer) and needs that warp."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    with pytest.raises(ValueError, match="producer warp"):
+        kp.parse_pipe_variant("aflush-prod0")
+    for v in ("late", "aflush", "late-aflush", "late0-aflush0"):
+        u, d = kp.parse_pipe_variant(v)
+        down = kp.MoEDownPipeKey(s, **d)
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == ("default" if v.endswith("0") else v)
+    base, late, afl = (kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, late_trigger=True),
+                       kp.MoEDownPipeKey(s, async_flush=True))
+    assert kp.down_pipe_smem_bytes(afl) == kp.down_pipe_smem_bytes(base) + 4 * kp.PIPE_MAX_M * base.rows_per_item
+
+    def ptx(key):
+        return kc.ptx_text(key)
+
+    def count(text, what):
+        return len(re.findall(re.escape(what), text))
+
+    pb, pl, pa = ptx(base), ptx(late), ptx(afl)
+    assert count(pl, "griddepcontrol.launch_dependents") == count(pb, "griddepcontrol.launch_dependents") == 1
+    assert pb.index("griddepcontrol.launch_dependents") < pb.index("griddepcontrol.wait")
+    assert pl.index("griddepcontrol.launch_dependents") > pl.index("griddepcontrol.wait")
+    assert count(pa, "mma.sync") == count(pb, "mma.sync")
+    assert count(pa, "barrier.arrive") + count(pa, "bar.arrive") >= 1 and count(pb, "bar.arrive") == 0
+    for key in (late, afl):
+        assert kc.resource_usage(key)["STACK"] == 0, key

@@ -512,6 +512,16 @@ class MoEDownPipeKey:
     # (at batch 1, 448 expert and 448 shared items: 48 CTAs carry both extras instead of 52) and it measured no
     # difference (run 20). Pairing them properly would give the shared extras to the CTAs without an expert one
     swap_shared: bool = True
+    # 'late': let the tail's CTAs be scheduled (griddepcontrol.launch_dependents) only once a is staged, not
+    # at this launch's start. The tail's CTAs that fit beside this one (about ten per SM) each load their
+    # W_up row before their wait: a burst of about 10 MB that the a staging and the first ring slots queue
+    # behind (staging took 2.4-2.9 µs after the wait in runs 20 and 21)
+    late_trigger: bool = False
+    # 'aflush': the producer warp flushes a finished row block (red.add of the CTA's sum, the fence, the
+    # counter's atomic) while the compute warps go on with the next item; the row block's all-reduce read,
+    # if this CTA completed it, follows the next item. Before, every thread waited for the fence and the atomic's
+    # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp
+    async_flush: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -537,7 +547,8 @@ def _down_fixed_bytes(key) -> int:
     I, S, n = key.shape.inter, key.shape.shared, PIPE_MAX_M
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
-    return 4 * n * key.rows_per_item + acts + tables + 640
+    sums = 4 * n * key.rows_per_item * (2 if key.async_flush else 1)  # the async flush's all-reduce has its own
+    return sums + acts + tables + 640
 
 
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
@@ -567,7 +578,8 @@ def build_down_pipe(key: MoEDownPipeKey):
     pf = bulk_prefetch_l2()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
-    PRO, PROD, SWAP = key.prologue, key.producer_warp, key.swap_shared
+    PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
+    assert PROD or not AFL, "the async flush runs on the producer warp"
     THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
@@ -642,6 +654,54 @@ def build_down_pipe(key: MoEDownPipeKey):
             s_a[i, 4 * o + 2] = ((w[0] >> 16) & lo16) | (w[2] & hi16)
             s_a[i, 4 * o + 3] = ((w[1] >> 16) & lo16) | (w[3] & hi16)
 
+    @cute.jit
+    def flush_rows(rb: Int32, mine: Int32, nact: Int32, acc: cute.Tensor, flag: cute.Tensor, mLat: cute.Tensor,
+                   mCnt: cute.Tensor, M: Int32, lane: Int32, bx: Int32, mTrace: cute.Tensor):
+        """(the producer warp, inlined; 'aflush') add the CTA's sum of row block rb into the rank's latent
+        partial and empty acc (then bar.arrive on barrier 1: the compute warps may write acc again), then the
+        fence and the counter's atomic; lane 0 stores whether this CTA completed the row block in flag[rb % 2]"""
+        if const_expr(TR):
+            if lane == 0:
+                stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
+        for idx in cutlass.range(lane, M * RBD, 32):
+            t = idx // RBD
+            rl = idx - t * RBD
+            cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add", dtype=Float32,
+                          sem="relaxed", scope="gpu")
+            acc[t, rl] = Float32(0.0)
+        cute.arch.barrier_arrive(barrier_id=1, number_of_threads=THREADS)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if lane == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+            flag[rb % 2] = Int32(old + mine == nact)
+            if const_expr(TR):
+                stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
+
+    @cute.jit
+    def allreduce_rows(rb: Int32, sq: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mR: cute.Tensor,
+                       mNorm: cute.Tensor, mSsq: cute.Tensor, mCnt: cute.Tensor, M: Int32, tid: Int32, bx: Int32,
+                       mTrace: cute.Tensor):
+        """(all threads, inlined; 'aflush') every expert of row block rb is in: the one-shot all-reduce read of
+        it (own partial + the peers'), r ⊙ w_norm stored (bf16), its Σ r² into the tokens' sums; re-arms the
+        row block's counter for the next step"""
+        cute.arch.fence_acq_rel_gpu()
+        for idx in cutlass.range(tid, M * RBD, THREADS):
+            t = idx // RBD
+            rl = idx - t * RBD
+            tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
+            for p_ in cutlass.range_constexpr(1, TP):
+                tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
+            mR[t, rb * RBD + rl] = (tot_ * mNorm[0, rb * RBD + rl].to(Float32)).to(BFloat16)
+            sq[t, rl] = tot_ * tot_
+        cute.arch.barrier()
+        rms_sumsq()(sq, mSsq, M, RBD, WARPS)
+        cute.arch.barrier()  # sq is free for a later row block
+        if tid == 0:
+            mCnt[rb] = Int32(0)  # re-arm for the next step
+            if const_expr(TR):
+                stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
+
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
@@ -655,7 +715,7 @@ def build_down_pipe(key: MoEDownPipeKey):
             if tid == 0:
                 stamp(mTrace, bx, 0)
         M = mLat.shape[1]
-        if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
+        if const_expr(PDL and not LATE):  # the tail reads nothing of this launch before its own wait
             cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
         ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, RBD, WROW), stride=(RBD * WROW, WROW, 1)),
@@ -674,6 +734,8 @@ def build_down_pipe(key: MoEDownPipeKey):
         s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        if const_expr(AFL):  # the all-reduce's r² (acc may hold the next row block's sum by then)
+            sq = smem.allocate_tensor(Float32, cute.make_layout((MXT, RBD), stride=(RBD, 1)), byte_alignment=16)
         if const_expr(PRO):
             pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), byte_alignment=8)
             s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
@@ -760,12 +822,16 @@ def build_down_pipe(key: MoEDownPipeKey):
                     issue(lo_e + s + Int32(s >= n_e) * jump, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 3)
+        if const_expr(PDL and LATE):  # a and the ring's requests are out: the tail's W_up loads may start now
+            cute.arch.griddepcontrol_launch_dependents()
         g = lane // 4
         c = lane - 4 * g
         gW = cute.zipped_divide(ring_w, (1, 1, 4))
         sA = cute.zipped_divide(s_a, (1, 4))
         gW4 = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1))),
                                  (1, 4))
+        apend = Int32(0)  # (aflush) the producer warp is emptying acc: compute warps sync on barrier 1 first
+        chk = Int32(-1)  # (aflush) the row block whose completion flag is read after the next CTA barrier
         for i in cutlass.range(n_items):
             k = lo_e + i + Int32(i >= n_e) * jump
             slot = i % ST
@@ -793,6 +859,9 @@ def build_down_pipe(key: MoEDownPipeKey):
                     for q in cutlass.range_constexpr(NSBD):
                         for r in cutlass.range_constexpr(4):
                             tot[r] = tot[r] + accs[q][r]
+                    if const_expr(AFL):
+                        if apend != 0:  # the producer warp has emptied acc (its bar.arrive on barrier 1)
+                            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
                     for x_ in cutlass.range_constexpr(2):
                         n_ = 2 * c + x_
                         if n_ < num:
@@ -808,45 +877,58 @@ def build_down_pipe(key: MoEDownPipeKey):
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
-                if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
-                    if const_expr(TR):
-                        if tid == 0:
-                            stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
-                    for idx in cutlass.range(tid, M * RBD, THREADS):
-                        t = idx // RBD
-                        rl = idx - t * RBD
-                        cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
-                                      dtype=Float32, sem="relaxed", scope="gpu")
-                        acc[t, rl] = Float32(0.0)
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.barrier()
-                    if tid == 0:
-                        mine = k + 1 - cutlass.max(lo_e, rb * nact)
-                        old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
-                        flag[0] = Int32(old + mine == nact)
+                if const_expr(AFL):
+                    apend = Int32(0)  # the compute warps synced on barrier 1 above if it was pending
+                    if chk >= 0:  # the previous row block's flag, stored before this item's barrier
+                        if flag[chk % 2] != 0:
+                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                        chk = Int32(-1)
+                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
+                        if warp == WARPS:  # the producer warp, while the compute warps go on
+                            flush_rows(rb, k + 1 - cutlass.max(lo_e, rb * nact), nact, acc, flag, mLat, mCnt, M,
+                                       lane, bx, mTrace)
+                        apend = Int32(1)
+                        chk = rb
+                if const_expr(not AFL):  # every thread flushes the row block at once
+                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if const_expr(TR):
-                            stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
-                    cute.arch.barrier()
-                    if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
-                        cute.arch.fence_acq_rel_gpu()
+                            if tid == 0:
+                                stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
                         for idx in cutlass.range(tid, M * RBD, THREADS):
                             t = idx // RBD
                             rl = idx - t * RBD
-                            tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
-                            for p_ in cutlass.range_constexpr(1, TP):
-                                tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
-                            mR[t, rb * RBD + rl] = (tot_ * mNorm[0, rb * RBD + rl].to(Float32)).to(BFloat16)
-                            acc[t, rl] = tot_ * tot_
+                            cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
+                                          dtype=Float32, sem="relaxed", scope="gpu")
+                            acc[t, rl] = Float32(0.0)
+                        cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier()
-                        rms_sumsq()(acc, mSsq, M, RBD, WARPS)  # Σ r² of the row block into the token's sum
-                        cute.arch.barrier()
-                        for idx in cutlass.range(tid, M * RBD, THREADS):
-                            acc[idx // RBD, idx % RBD] = Float32(0.0)
                         if tid == 0:
-                            mCnt[rb] = Int32(0)  # re-arm for the next step
+                            mine = k + 1 - cutlass.max(lo_e, rb * nact)
+                            old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+                            flag[0] = Int32(old + mine == nact)
                             if const_expr(TR):
-                                stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
-                    cute.arch.barrier()
+                                stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
+                        cute.arch.barrier()
+                        if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
+                            cute.arch.fence_acq_rel_gpu()
+                            for idx in cutlass.range(tid, M * RBD, THREADS):
+                                t = idx // RBD
+                                rl = idx - t * RBD
+                                tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
+                                for p_ in cutlass.range_constexpr(1, TP):
+                                    tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
+                                mR[t, rb * RBD + rl] = (tot_ * mNorm[0, rb * RBD + rl].to(Float32)).to(BFloat16)
+                                acc[t, rl] = tot_ * tot_
+                            cute.arch.barrier()
+                            rms_sumsq()(acc, mSsq, M, RBD, WARPS)  # Σ r² of the row block into the token's sum
+                            cute.arch.barrier()
+                            for idx in cutlass.range(tid, M * RBD, THREADS):
+                                acc[idx // RBD, idx % RBD] = Float32(0.0)
+                            if tid == 0:
+                                mCnt[rb] = Int32(0)  # re-arm for the next step
+                                if const_expr(TR):
+                                    stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
+                        cute.arch.barrier()
             else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
@@ -885,6 +967,19 @@ def build_down_pipe(key: MoEDownPipeKey):
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                if const_expr(AFL):
+                    if chk >= 0:  # the last row block's flag, stored before this item's barrier
+                        if flag[chk % 2] != 0:
+                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                        chk = Int32(-1)
+        if const_expr(AFL):
+            if apend != 0:  # balance the producer's last bar.arrive on barrier 1
+                if warp < WARPS:
+                    cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            cute.arch.barrier()  # a flush after the last item: its flag is stored
+            if chk >= 0:
+                if flag[chk % 2] != 0:
+                    allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
@@ -921,14 +1016,16 @@ RUN17 = "pro0-epi0-prod0-swap0"  # the run-17 kernels (the package default befor
 # run-17 kernels, each run-19 option turned off alone, and moe_down without a ring slot requested before its wait
 # (its a staging queued 2.4 µs behind that slot in run 20). Others (pf1, tailN, contig, upearlyN, ...) need the
 # compiler on the GPU host
-AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "downearly0")
+AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late", "aflush", "late-aflush")
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
-    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on],
+    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], late
+    (moe_down lets the tail's CTAs be scheduled only once its a is staged) [off], aflush (moe_down's producer
+    warp flushes finished row blocks while the compute warps go on) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -960,13 +1057,21 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["producer_warp"] = m.group(1) != "0"
         elif m := re.fullmatch(r"swap([01]?)", tok):
             down["swap_shared"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"late([01]?)", tok):
+            down["late_trigger"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"aflush([01]?)", tok):
+            down["async_flush"] = m.group(1) != "0"
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
-                             f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), pf0/pf1 (moe_up "
+                             f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), late0/late1 "
+                             f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
+                             f"producer warp flushes row blocks), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17; e.g. pf1-tail2048 or run17; got {text!r}")
+    if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
+        raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
     if up.get("prologue", MoEUpPipeKey.prologue):
         if up.get("early_slots", 0) != 0:
             raise ValueError(f"the merged prologue stages z in moe_up's ring, so no ring slot can be requested "
@@ -1001,6 +1106,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("prod0")
         if not down.swap_shared:
             parts.append("swap0")
+        if down.late_trigger != MoEDownPipeKey.late_trigger:
+            parts.append("late" if down.late_trigger else "late0")
+        if down.async_flush != MoEDownPipeKey.async_flush:
+            parts.append("aflush" if down.async_flush else "aflush0")
     name = "-".join(parts) or "default"
     return "run17" if name == RUN17 else name
 
@@ -1020,8 +1129,8 @@ def _aot_keys(kind: str):
                     key = make(s, arch=arch, **kw)
                     if key not in out:
                         out.append(key)
-                if kind == "down":  # the timeline of the downearly0 comparison
-                    out.append(MoEDownPipeKey(s, early_slots=0, trace=True, arch=arch))
+                if kind == "down":  # the timeline of the late-aflush comparison
+                    out.append(MoEDownPipeKey(s, late_trigger=True, async_flush=True, trace=True, arch=arch))
         return out
     return keys
 
