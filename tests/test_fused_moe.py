@@ -259,7 +259,8 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     assert kp.parse_pipe_variant("pro0-contig-upearly4-downearly3") == (
         dict(prologue=False, early_slots=4), dict(prologue=False, balanced=False, early_slots=3))
     assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1),
-                                              dict(prologue=False, producer_warp=False, swap_shared=False))
+                                              dict(prologue=False, producer_warp=False, swap_shared=False,
+                                                   late_trigger=False))
     # run17 is expanded where it stands: what follows it changes it
     assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
     assert kp.parse_pipe_variant("swap1-run17")[1]["swap_shared"] is False
@@ -556,12 +557,14 @@ def test_late_trigger_and_async_flush_options(compiler):
     s = km.shapes_for_tp(8)
     with pytest.raises(ValueError, match="producer warp"):
         kp.parse_pipe_variant("aflush-prod0")
-    for v in ("late", "aflush", "late-aflush", "late0-aflush0"):
+    assert kp.MoEDownPipeKey.late_trigger and not kp.MoEDownPipeKey.async_flush  # the defaults since run 22
+    for v, name in (("late0", "late0"), ("aflush", "aflush"), ("late0-aflush", "late0-aflush"),
+                    ("late1-aflush0", "default")):
         u, d = kp.parse_pipe_variant(v)
         down = kp.MoEDownPipeKey(s, **d)
-        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == ("default" if v.endswith("0") else v)
-    base, late, afl = (kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, late_trigger=True),
-                       kp.MoEDownPipeKey(s, async_flush=True))
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == name
+    base, late, afl = (kp.MoEDownPipeKey(s, late_trigger=False), kp.MoEDownPipeKey(s),
+                       kp.MoEDownPipeKey(s, late_trigger=False, async_flush=True))
     assert kp.down_pipe_smem_bytes(afl) == kp.down_pipe_smem_bytes(base) + 4 * kp.PIPE_MAX_M * base.rows_per_item
 
     def ptx(key):
@@ -577,4 +580,36 @@ def test_late_trigger_and_async_flush_options(compiler):
     assert count(pa, "mma.sync") == count(pb, "mma.sync")
     assert count(pa, "barrier.arrive") + count(pa, "bar.arrive") >= 1 and count(pb, "bar.arrive") == 0
     for key in (late, afl):
+        assert kc.resource_usage(key)["STACK"] == 0, key
+
+
+def test_item_rate_options(compiler):
+    """upwN gives moe_up N compute warps (28: one super-block each), dec2 the pair decode with fewer integer-ALU
+    shifts (same bits, tests/test_mxfp4.py), downk2 splits moe_down's K over two warps per row group; each
+    parses, names itself back, fits the shared memory, keeps the mma count per item and does not spill."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    for bad in ("upw5", "downk3", "dec3"):
+        with pytest.raises(ValueError, match="pipelined-kernel variant"):
+            kp.parse_pipe_variant(bad)
+    u, d = kp.parse_pipe_variant(kp.ITEMS)
+    up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
+    assert (up.warps, up.decode, down.decode, down.ksplit) == (28, 2, 2, 2)
+    assert kp.pipe_variant_name(up, down) == kp.ITEMS
+    assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
+
+    def count(key, what):
+        return len(re.findall(re.escape(what), kc.ptx_text(key)))
+
+    base_up, base_down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
+    assert count(up, "mma.sync") * 2 == count(base_up, "mma.sync")  # one super-block per warp instead of two
+    assert count(down, "mma.sync") == count(base_down, "mma.sync")  # the two K halves' code paths
+    assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+2,", kc.ptx_text(down))  # the K halves meet on barrier 2
+    dec = kp.MoEUpPipeKey(s, decode=2)
+    assert count(dec, "shr.b32") < count(base_up, "shr.b32") and count(dec, "mma.sync") == count(base_up, "mma.sync")
+    for key in (up, down, dec):
         assert kc.resource_usage(key)["STACK"] == 0, key

@@ -59,3 +59,25 @@ def test_bad_shapes_refused():
     with pytest.raises(TypeError):
         mxfp4.unpack(torch.zeros(2, 16), torch.zeros(2, 1, dtype=torch.uint8))
     assert mxfp4.packed_nbytes(384, 3584) == 384 * (1792 + 112)
+
+
+def test_pair_decode_bit_cuts_give_the_e2m1_values():
+    """Both ways of cutting a word into bf16 pairs (`mxfp4_decode.PAIR_CUTS`, emulated on ints) give codes k and
+    k + 4 times 2^-126, for random words and for every single code in every position."""
+    import random
+    import struct
+
+    from kimi_decode.kernels.mxfp4_decode import PAIR_CUTS, emulate_pairs
+
+    def bf16(bits):  # bf16 bit pattern -> its value (as the fp32 with those top 16 bits)
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+    table = [float(v) for v in mxfp4.e2m1_decode(torch.arange(16))]
+    rng = random.Random(5)
+    words = [rng.getrandbits(32) for _ in range(500)] + [c << (4 * k) for c in range(16) for k in range(8)]
+    for version in PAIR_CUTS:
+        for q in words:
+            for k, pr in enumerate(emulate_pairs(q, version)):
+                lo, hi = bf16(pr & 0xFFFF), bf16(pr >> 16)
+                assert lo == table[(q >> (4 * k)) & 15] * 2.0 ** -126, (version, hex(q), k)
+                assert hi == table[(q >> (4 * k + 16)) & 15] * 2.0 ** -126, (version, hex(q), k)

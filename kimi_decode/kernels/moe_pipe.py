@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from .. import compile as kc
 from .moe import D, E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
+UP_WARPS = (7, 14, 28)  # moe_up's compute warp counts (each takes 28 / warps of a row's 28 super-blocks)
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
 H200_SMS = 132
@@ -63,6 +64,9 @@ class MoEUpPipeKey:
     # pairs and the whole ring is requested (no slot early: early_slots must be 0). Without it the tables, z and
     # the first slot take three dependent round trips (3.2 µs at batch 1, run 17's trace)
     prologue: bool = True  # run 19: staged 1.4 µs after the wait instead of 3.2
+    # how each code word is cut into bf16 pairs (`mxfp4_decode.PAIR_CUTS`): 2 takes one of the three integer-ALU
+    # ops per pair to the FMA pipe (the ALU pipe bounds the items: ncu math-pipe and wait stalls, run 22)
+    decode: int = 1
     # 'epi': one more warp that does no arithmetic: after each item's barrier it refills the slot and reduces
     # the compute warps' K partials (double-buffered) into SiTU, while the compute warps go on to the next item
     # (one CTA barrier per item instead of two; the refill and the reduction leave the compute warps' path)
@@ -172,15 +176,16 @@ def routing_table_bytes(M, per_token: int = 0):
     return 16 + E * 12 + M * (TOPK * 4 + per_token)
 
 
-def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0):
+def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0, decode=1, bbs=(0, 4)):
     """(traced inline) One lane's share of a 128-code super-block: acc += A·B over 8 mma.sync m16n8k16, A rows
     g and g+8 from the 4 code words wa, wb (scale pairs sa, sb) decoded to bf16 pairs, B from the staged
-    activations sB (pairs in the mma's B order) of column `col`, 8-code groups v0..v0+3."""
+    activations sB (pairs in the mma's B order) of column `col`, 8-code groups v0..v0+3. `bbs`: the words
+    (of 4) this call takes (a K split inside the super-block); `decode`: the pair decode's version."""
     from .mxfp4_decode import decode_pairs
     from .ptx_ops import mma_bf16
 
-    pairs, mma = decode_pairs(), mma_bf16()
-    for bb in range(4):
+    pairs, mma = decode_pairs(decode), mma_bf16()
+    for bb in range(*bbs):
         b = sB[(None, (col, v0 + bb))].load()
         pa = pairs(wa[bb], sa)
         pb = pairs(wb[bb], sb)
@@ -410,7 +415,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                     a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
                     sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
                     sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
-                    accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c))
+                    accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode))
                 for r in cutlass.range_constexpr(4):
                     v = accs[0][r]
                     for q in cutlass.range_constexpr(1, SBW):
@@ -515,13 +520,19 @@ class MoEDownPipeKey:
     # 'late': let the tail's CTAs be scheduled (griddepcontrol.launch_dependents) only once a is staged, not
     # at this launch's start. The tail's CTAs that fit beside this one (about ten per SM) each load their
     # W_up row before their wait: a burst of about 10 MB that the a staging and the first ring slots queue
-    # behind (staging took 2.4-2.9 µs after the wait in runs 20 and 21)
-    late_trigger: bool = False
+    # behind (staging took 2.4-2.9 µs after the wait in runs 20 and 21; 1.1 µs with it, run 22: batch 1
+    # 69.2 µs against 70.4)
+    late_trigger: bool = True
     # 'aflush': the producer warp flushes a finished row block (red.add of the CTA's sum, the fence, the
     # counter's atomic) while the compute warps go on with the next item; the row block's all-reduce read,
     # if this CTA completed it, follows the next item. Before, every thread waited for the fence and the atomic's
     # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp
     async_flush: bool = False
+    decode: int = 1  # see MoEUpPipeKey.decode
+    # compute warps per row group: 2 splits each expert item's K (I) between two warps that meet in shared
+    # memory (16 · warps rows per item as before, twice the compute warps: 8 warps per SM left the decode's
+    # latency uncovered)
+    ksplit: int = 1
     arch: str = "sm_90a"
 
     @property
@@ -548,7 +559,8 @@ def _down_fixed_bytes(key) -> int:
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
     sums = 4 * n * key.rows_per_item * (2 if key.async_flush else 1)  # the async flush's all-reduce has its own
-    return sums + acts + tables + 640
+    parts = key.ksplit * key.warps * 32 * 4 * 4 if key.ksplit > 1 else 0  # the K halves' partial sums
+    return sums + parts + acts + tables + 640
 
 
 def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
@@ -576,7 +588,8 @@ def build_down_pipe(key: MoEDownPipeKey):
     PT_BYTES = PT * L * 2
     PT_N = -(-PT_BYTES // PF_CHUNK)
     pf = bulk_prefetch_l2()
-    WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
+    RG, KS, ST, G, PDL = key.warps, key.ksplit, key.stages, key.ctas, key.pdl
+    WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = PIPE_MAX_M
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
     assert PROD or not AFL, "the async flush runs on the producer warp"
@@ -589,6 +602,11 @@ def build_down_pipe(key: MoEDownPipeKey):
     WROW = I // 8  # words per W2 row
     SROW = I // 32
     NSBD = I // SB  # 128-code super-blocks per W2 row
+    assert (4 * NSBD) % KS == 0, "the K split goes by code words of a super-block"
+    KU = 4 * NSBD // KS  # code words (of a lane's super-block quads) per K part
+    # K part h: (super-block, first word, end word) runs of words h·KU .. (h+1)·KU
+    KPARTS = [[(u // 4, u % 4, min(4, u % 4 + (h + 1) * KU - u)) for u in range(h * KU, (h + 1) * KU)
+               if u == h * KU or u % 4 == 0] for h in range(KS)]
     NBD = L // RBD
     SH_WORDS = S // 2  # words per shared-down row
     SH_VEC = 3  # 8-bf16 vectors per lane of a shared row
@@ -653,6 +671,37 @@ def build_down_pipe(key: MoEDownPipeKey):
             s_a[i, 4 * o + 1] = (w[1] & lo16) | (w[3] << 16)
             s_a[i, 4 * o + 2] = ((w[0] >> 16) & lo16) | (w[2] & hi16)
             s_a[i, 4 * o + 3] = ((w[1] >> 16) & lo16) | (w[3] & hi16)
+
+    def expert_rows(gW, ring_s, sA, slot, r0, c, pi, part):
+        """(traced inline) a lane's mma sums over its K part (runs of code words of its super-blocks) for rows
+        r0 and r0 + 8 of the item in `slot` against B column pi"""
+        accs = []
+        for q, b0, b1 in part:
+            cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            wa = gW[(None, (slot, r0, 4 * q + c))].load()
+            wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
+            sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
+            sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
+            accs.append(superblock_mma(cq, wa, wb, sa, sb_, sA, pi, 16 * q + 4 * c, key.decode, (b0, b1)))
+        tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+        for a_ in accs:
+            for r in range(4):
+                tot[r] = tot[r] + a_[r]
+        return tot
+
+    @cute.jit
+    def add_rows(acc: cute.Tensor, t0: Float32, t1: Float32, t2: Float32, t3: Float32, s_tok: cute.Tensor,
+                 s_we: cute.Tensor, off: Int32, num: Int32, c: Int32, r0: Int32):
+        """(inlined) the lane's two tokens' routing-weighted sums (t0, t1 of row r0; t2, t3 of row r0 + 8) into
+        the CTA's row block sum"""
+        tot = [t0, t1, t2, t3]
+        for x_ in cutlass.range_constexpr(2):
+            n_ = 2 * c + x_
+            if n_ < num:
+                t = s_tok[off + n_]
+                w = s_we[off + n_]
+                acc[t, r0] = acc[t, r0] + tot[x_] * w
+                acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
 
     @cute.jit
     def flush_rows(rb: Int32, mine: Int32, nact: Int32, acc: cute.Tensor, flag: cute.Tensor, mLat: cute.Tensor,
@@ -736,6 +785,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         if const_expr(AFL):  # the all-reduce's r² (acc may hold the next row block's sum by then)
             sq = smem.allocate_tensor(Float32, cute.make_layout((MXT, RBD), stride=(RBD, 1)), byte_alignment=16)
+        if const_expr(KS > 1):  # each K part's sums of an item (mma accumulator layout)
+            kpart = smem.allocate_tensor(Float32, cute.make_layout((KS, RG, 32, 4), stride=(RG * 128, 128, 4, 1)),
+                                         byte_alignment=16)
         if const_expr(PRO):
             pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), byte_alignment=8)
             s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
@@ -841,34 +893,33 @@ def build_down_pipe(key: MoEDownPipeKey):
                 off = s_list[jj, 0]
                 num = s_list[jj, 1]
                 pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
-                r0 = 16 * warp + g
+                r0 = 16 * (warp % RG if KS > 1 else warp) + g
                 if warp < WARPS:
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     if const_expr(TR):
                         if tid == 0 and i < TRACE_ITEMS:
                             stamp(mTrace, bx, 4 + 2 * i)
-                    accs = []
-                    for q in cutlass.range_constexpr(NSBD):
-                        cq = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                        wa = gW[(None, (slot, r0, 4 * q + c))].load()
-                        wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
-                        sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
-                        sb_ = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
-                        accs.append(superblock_mma(cq, wa, wb, sa, sb_, sA, pi, 16 * q + 4 * c))
-                    tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    for q in cutlass.range_constexpr(NSBD):
-                        for r in cutlass.range_constexpr(4):
-                            tot[r] = tot[r] + accs[q][r]
+                    if const_expr(KS == 1):
+                        tot = expert_rows(gW, ring_s, sA, slot, r0, c, pi, KPARTS[0])
+                    else:  # each K part into shared memory, then the row group's first warp sums them
+                        for h in cutlass.range_constexpr(KS):
+                            if warp // RG == h:
+                                th = expert_rows(gW, ring_s, sA, slot, r0, c, pi, KPARTS[h])
+                                for r in cutlass.range_constexpr(4):
+                                    kpart[h, warp - h * RG, lane, r] = th[r]
+                        cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                        tot = [kpart[0, warp % RG, lane, r] for r in range(4)]
+                        for h in cutlass.range_constexpr(1, KS):
+                            for r in cutlass.range_constexpr(4):
+                                tot[r] = tot[r] + kpart[h, warp % RG, lane, r]
                     if const_expr(AFL):
                         if apend != 0:  # the producer warp has emptied acc (its bar.arrive on barrier 1)
                             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
-                    for x_ in cutlass.range_constexpr(2):
-                        n_ = 2 * c + x_
-                        if n_ < num:
-                            t = s_tok[off + n_]
-                            w = s_we[off + n_]
-                            acc[t, r0] = acc[t, r0] + tot[x_] * w
-                            acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
+                    if const_expr(KS == 1):
+                        add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0)
+                    else:
+                        if warp < RG:  # the row group's first warp adds its rows into the CTA's sum
+                            add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0)
                 cute.arch.barrier()  # the slot is free; the row block's sum may be complete
                 if const_expr(TR):
                     if tid == 0 and i < TRACE_ITEMS:
@@ -1011,12 +1062,13 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 # --------------------------------------------------------------------------- registry
 
 
-RUN17 = "pro0-epi0-prod0-swap0"  # the run-17 kernels (the package default before run 19), kept for comparison
+RUN17 = "pro0-epi0-prod0-swap0-late0"  # the run-17 kernels (the package default before run 19), kept for comparison
+ITEMS = "upw28-dec2-downk2"  # the three item-rate options together (its timeline build is in the bundle too)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
-# run-17 kernels, each run-19 option turned off alone, and moe_down without a ring slot requested before its wait
-# (its a staging queued 2.4 µs behind that slot in run 20). Others (pf1, tailN, contig, upearlyN, ...) need the
-# compiler on the GPU host
-AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late", "aflush", "late-aflush")
+# run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22), and the item-rate
+# options alone and together. Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the compiler on the GPU
+# host
+AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "upw28", "dec2", "downk2", ITEMS)
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1025,7 +1077,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [off], aflush (moe_down's producer
-    warp flushes finished row blocks while the compute warps go on) [off],
+    warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
+    `mxfp4_decode.PAIR_CUTS`) [1], upwN (moe_up's compute warps, 7, 14 or 28) [14], downkN (moe_down's
+    compute warps per row group, splitting K) [1],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1061,12 +1115,19 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["late_trigger"] = m.group(1) != "0"
         elif m := re.fullmatch(r"aflush([01]?)", tok):
             down["async_flush"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"dec([12])", tok):
+            up["decode"] = down["decode"] = int(m.group(1))
+        elif (m := re.fullmatch(r"upw(\d+)", tok)) and int(m.group(1)) in UP_WARPS:
+            up["warps"] = int(m.group(1))
+        elif m := re.fullmatch(r"downk([12])", tok):
+            down["ksplit"] = int(m.group(1))
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
                              f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
-                             f"producer warp flushes row blocks), pf0/pf1 (moe_up "
+                             f"producer warp flushes row blocks), dec1/dec2 (the pair decode), upwN (moe_up's "
+                             f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1089,6 +1150,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("pro0" if not down_pro else "uppro0")
     if not up.epilogue_warp:
         parts.append("epi0")
+    if up.warps != MoEUpPipeKey.warps:
+        parts.append(f"upw{up.warps}")
+    if up.decode != MoEUpPipeKey.decode:
+        parts.append(f"dec{up.decode}")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
@@ -1110,6 +1175,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("late" if down.late_trigger else "late0")
         if down.async_flush != MoEDownPipeKey.async_flush:
             parts.append("aflush" if down.async_flush else "aflush0")
+        if down.ksplit != MoEDownPipeKey.ksplit:
+            parts.append(f"downk{down.ksplit}")
     name = "-".join(parts) or "default"
     return "run17" if name == RUN17 else name
 
@@ -1129,8 +1196,9 @@ def _aot_keys(kind: str):
                     key = make(s, arch=arch, **kw)
                     if key not in out:
                         out.append(key)
-                if kind == "down":  # the timeline of the late-aflush comparison
-                    out.append(MoEDownPipeKey(s, late_trigger=True, async_flush=True, trace=True, arch=arch))
+                # the timeline of the item-rate comparison (kimi-decode moe --trace --executors fused@ITEMS)
+                kw = parse_pipe_variant(ITEMS)[0 if kind == "up" else 1]
+                out.append(make(s, trace=True, arch=arch, **kw))
         return out
     return keys
 

@@ -80,32 +80,73 @@ def _make_decode():
     return decode
 
 
-_PAIRS = None
+_PAIRS = {}
+
+# How each of the 4 bf16 pairs of a word is cut out (`decode_pairs`), as (sign source, magnitude source) with a
+# source written (right shift, then left shift) of the word q; the pair is (mag & 0x01C001C0) | (sign & 0x80008000).
+# v1: one shift of q per pair puts code k's sign at bit 15 (and code k+4's at 31), the magnitudes follow 6 bits
+#     lower: per pair a left shift, a right shift and two logic ops (three on the integer ALU pipe, one
+#     IMAD.SHL): the ALU pipe bounds the pipelined expert kernels.
+# v2: the magnitudes of codes 2, 3, 6, 7 come from q >> 8 (one right shift per word), every other shift is a
+#     left shift (IMAD.SHL, the FMA pipe): per pair two ALU ops instead of three.
+PAIR_CUTS = {
+    1: tuple(((0, 12 - 4 * k), (4 * k - 6, 0) if k >= 2 else (0, 6 - 4 * k)) for k in range(4)),
+    2: tuple(((0, 12 - 4 * k), (8 if k >= 2 else 0, 6 - 4 * (k % 2))) for k in range(4)),
+}
+MAG_MASK, SIGN_MASK = 0x01C001C0, 0x80008000
 
 
-def decode_pairs():
+def emulate_pairs(q: int, version: int = 1) -> list[int]:
+    """The bit operations of `decode_pairs` on a Python int (before the scale multiply): 4 bf16x2 words,
+    each the codes (k, k+4) times 2^-126 (used by the CPU tests)."""
+    q &= 0xFFFFFFFF
+    out = []
+    for (sr, sl), (mr, ml) in PAIR_CUTS[version]:
+        sign = ((q >> sr) << sl) & 0xFFFFFFFF
+        mag = ((q >> mr) << ml) & 0xFFFFFFFF
+        out.append((mag & MAG_MASK) | (sign & SIGN_MASK))
+    return out
+
+
+def decode_pairs(version: int = 1):
     """`@dsl_user_op` decode_pairs(q, scale_pair) -> [4 × Int32]: the 8 codes of q dequantised as bf16
     pairs, pair k = (code k in the low half, code k + 4 in the high half): the A operand of a bf16
-    mma.sync straight from the decode (same arithmetic as `decode_word`, without the fp32 split)."""
-    global _PAIRS
-    if _PAIRS is None:
-        _PAIRS = _make_pairs()
-    return _PAIRS
+    mma.sync straight from the decode (same arithmetic as `decode_word`, without the fp32 split).
+    `version` picks how the pairs are cut out (`PAIR_CUTS`); both give the same bits."""
+    if version not in PAIR_CUTS:
+        raise ValueError(f"decode version must be one of {sorted(PAIR_CUTS)}, got {version!r}")
+    if version not in _PAIRS:
+        _PAIRS[version] = _make_pairs(version)
+    return _PAIRS[version]
 
 
-def _make_pairs():
+def _shifted(dst: str, src: str, right: int, left: int) -> list[str]:
+    if right and left:
+        raise ValueError("one shift per source")
+    if right:
+        return [f"shr.b32 {dst}, {src}, {right};"]
+    return [f"shl.b32 {dst}, {src}, {left};"] if left else [f"mov.b32 {dst}, {src};"]
+
+
+def _make_pairs(version: int):
     from cutlass import Int32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
-    # pair k: shift code k's nibble to bits 12..15 (its sign to bit 15; code k+4's to bit 31), then as decode_word
     body = []
-    for k in range(4):
-        sh = 12 - 4 * k
-        body.append(f"shl.b32 t, q, {sh};" if sh else "mov.b32 t, q;")
-        body += ["and.b32 sg, t, 0x80008000;", "shr.b32 mg, t, 6;", "and.b32 mg, mg, 0x01C001C0;",
-                 "or.b32 pr, mg, sg;", f"mul.rn.bf16x2 ${k}, pr, sc;"]
-    asm = ("{\n.reg .b32 q, t, sg, mg, pr, sc;\nmov.b32 q, $4;\nmov.b32 sc, $5;\n" + "\n".join(body) + "\n}")
+    if version == 2:
+        body.append("shr.b32 qr, q, 8;")
+    for k, ((sr, sl), (mr, ml)) in enumerate(PAIR_CUTS[version]):
+        assert sr == 0
+        body += _shifted("t", "q", 0, sl)
+        body.append("and.b32 sg, t, 0x80008000;")
+        if version == 2:
+            body.append(f"shl.b32 mg, {'qr' if mr else 'q'}, {ml};")
+        else:  # v1: the magnitude source is the sign source shifted right by 6
+            body.append("shr.b32 mg, t, 6;")
+        body += ["and.b32 mg, mg, 0x01C001C0;", "or.b32 pr, mg, sg;", f"mul.rn.bf16x2 ${k}, pr, sc;"]
+    regs = "q, qr, t, sg, mg, pr, sc" if version == 2 else "q, t, sg, mg, pr, sc"
+    asm = ("{\n.reg .b32 " + regs + ";\nmov.b32 q, $4;\nmov.b32 sc, $5;\n" + "\n".join(body) + "\n}")
 
     @dsl_user_op
     def pairs(q, scale_pair, *, loc=None, ip=None):
