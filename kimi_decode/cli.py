@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared-memory wavefronts and bank conflicts; saved under profiles/<executor>/stalls/)")
     p.add_argument("--source", default=None, metavar="REGEX",
                    help="also sample the warp states of every SASS instruction of the kernels matching REGEX "
-                        "(ncu's source page, saved as source/source_sass.csv in the profile folder)")
+                        "(ncu's source page, saved as source/source_sass.csv.xz in the profile folder)")
     p.add_argument("--backend", default=None, choices=["nsight-python", "ncu-cli"],
                    help="force a backend (default: chosen automatically)")
     p.add_argument("--seed", type=int, default=0)

@@ -267,8 +267,9 @@ def source_command(req: ProfileRequest, report_base: Path, kernels: str) -> list
 
 def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> Path:
     """Per-SASS-instruction stall samples of the matching kernels of one decode step: runs `source_command`, then
-    writes ncu's source page as CSV (`source_sass.csv`: every instruction with its sampled warp states) next to
-    the compressed report, in the profile folder's `source/`. Returns that folder."""
+    writes ncu's source page as xz-compressed CSV (`SOURCE_FILE`: every instruction with its sampled warp states;
+    `read_source_page`, `stall_hotspots`) next to the compressed report, in the profile folder's `source/`.
+    Returns that folder."""
     if not kernels:
         raise ValueError("name the kernels to sample with a regular expression, e.g. 'up_kernel|down_kernel'")
     re.compile(kernels)
@@ -285,7 +286,9 @@ def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> 
     if res.returncode == 0:
         page = subprocess.run([ncu_path() or "ncu", "-i", str(folder / "profile.ncu-rep"), "--page", "source",
                                "--csv", "--print-source", "sass"], capture_output=True, text=True)
-        (folder / "source_sass.csv").write_text(page.stdout)
+        import lzma
+        with lzma.open(folder / SOURCE_FILE, "wt") as f:
+            f.write(page.stdout)
         log += page.stderr
         res = page
     (folder / "ncu.log").write_text(log)
@@ -297,6 +300,42 @@ def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> 
         {**provenance(), "request": asdict(req), "kernels": kernels, "ncu": ".".join(map(str, ncu_version() or ()))},
         indent=2, sort_keys=True))
     return folder
+
+
+SOURCE_FILE = "source_sass.csv.xz"  # ncu's source page of the sampled kernels, as source_page leaves it
+
+
+def read_source_page(path: str | Path) -> dict[str, pd.DataFrame]:
+    """ncu's source page (CSV, one block per kernel, each opened by a "Kernel Name" line; plain or .xz) ->
+    {kernel name: one row per SASS instruction, with its opcode (`op`, predicate and modifiers dropped)}."""
+    import io
+    import lzma
+
+    path = Path(path)
+    text = lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text()
+    out: dict[str, pd.DataFrame] = {}
+    for block in re.split(r'^"Kernel Name",', text, flags=re.M)[1:]:
+        name, _, rest = block.partition("\n")
+        df = pd.read_csv(io.StringIO(rest))
+        if "Source" not in df.columns:
+            raise ValueError(f"{path}: a kernel block without a Source column: not ncu's source page")
+        df["op"] = (df["Source"].astype(str).str.strip().str.replace(r"^@!?U?P\w+\s+", "", regex=True)
+                    .str.split().str[0].str.split(".").str[0])
+        out[name.strip().strip('",')] = df
+    if not out:
+        raise ValueError(f"{path} holds no kernel block: not ncu's source page (--page source --csv)")
+    return out
+
+
+def stall_hotspots(page: pd.DataFrame, top: int = 12) -> pd.DataFrame:
+    """Where one kernel's warps were sampled, by opcode: share of all samples, instructions executed, and
+    the sampled warp states (ncu's stall_* columns, issued and not) of the `top` opcodes."""
+    samples = "Warp Stall Sampling (All Samples)"
+    stalls = [c for c in page.columns if c.startswith("stall_") and "Not Issued" not in c]
+    g = page.groupby("op")[[samples, "Instructions Executed", *stalls]].sum()
+    g.insert(0, "share", g[samples] / max(float(g[samples].sum()), 1.0))
+    g = g.sort_values(samples, ascending=False).head(top)
+    return g.rename(columns={samples: "samples", "Instructions Executed": "instructions"})
 
 
 def _import_ncu_report():

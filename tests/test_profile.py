@@ -131,3 +131,29 @@ def test_source_command_samples_only_the_named_kernels(tmp_path):
 def test_cli_refuses_a_bad_source_pattern(capsys):
     assert main(["profile", "--executor", "fused-moe", "--layer", "kda_moe", "--source", "up_kernel("]) == 2
     assert "regular expression" in capsys.readouterr().err
+
+
+def test_source_page_is_read_per_kernel_and_summed_by_opcode(tmp_path):
+    import lzma
+
+    cols = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_math","stall_wait",' \
+           '"stall_math (Not Issued)"'
+    text = "\n".join([
+        '"Kernel Name","kernel_a_0",', cols,
+        '"0x10","LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT ;","6","100","4","2","4"',
+        '"0x20","@!P0 LOP3.LUT R1, R2, 0x3, RZ, 0xc0, !PT ;","2","50","1","1","1"',
+        '"0x30","HMMA.16816.F32.BF16 R8, R8, R24, RZ ;","2","10","0","2","0"',
+        '"Kernel Name","kernel_b_0",', cols,
+        '"0x10","BRA 0x10 ;","5","5","0","0","0"', ""])
+    path = tmp_path / "source_sass.csv.xz"
+    with lzma.open(path, "wt") as f:
+        f.write(text)
+    pages = P.read_source_page(path)
+    assert list(pages) == ["kernel_a_0", "kernel_b_0"]
+    hot = P.stall_hotspots(pages["kernel_a_0"])
+    assert list(hot.index) == ["LOP3", "HMMA"] and hot.loc["LOP3", "samples"] == 8
+    assert hot.loc["LOP3", "instructions"] == 150 and hot.loc["LOP3", "stall_math"] == 5
+    assert abs(hot.share.sum() - 1.0) < 1e-9 and "stall_math (Not Issued)" not in hot.columns
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="source page"):
+        P.read_source_page(tmp_path / "bad.csv")
