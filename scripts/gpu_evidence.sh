@@ -37,8 +37,8 @@ stage_cmd() {
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv" ;;
     moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
     moe-early) echo "$KD moe --executors stock,fused,fused@downearly0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_early_h200_tp8.csv && $KD moe --trace --executors fused@downearly0 --tps 8 --batches 1 --no-progress --out $M/moe_trace_downearly0_h200_tp8.csv" ;;
-    moe-items) echo "$KD moe --executors stock,fused,fused@late0,fused@upw28,fused@dec2,fused@downk2,fused@upw28-dec2-downk2 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_items_h200_tp8.csv && $KD moe --trace --executors fused@upw28-dec2-downk2 --tps 8 --batches 1 --no-progress --out $M/moe_trace_items_h200_tp8.csv" ;;
-    moe-breakdown-items) echo "$KD moe --breakdown --executors fused,fused@upw28-dec2-downk2 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_items_h200_tp8.csv" ;;
+    moe-items) echo "$KD moe --executors stock,fused,fused@late0,fused@upw28,fused@dec2,fused@pad,fused@downk2,fused@upw28-dec2-downk2,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_items_h200_tp8.csv && $KD moe --trace --executors fused@upw28-dec2-pad-downk2 --tps 8 --batches 1 --no-progress --out $M/moe_trace_items_h200_tp8.csv" ;;
+    moe-breakdown-items) echo "$KD moe --breakdown --executors fused,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_items_h200_tp8.csv" ;;
     fused-variant-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match'" ;;
     moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_h200_tp8.csv" ;;
     moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;

@@ -598,7 +598,7 @@ def test_item_rate_options(compiler):
             kp.parse_pipe_variant(bad)
     u, d = kp.parse_pipe_variant(kp.ITEMS)
     up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
-    assert (up.warps, up.decode, down.decode, down.ksplit) == (28, 2, 2, 2)
+    assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 2, True, 2, 2)
     assert kp.pipe_variant_name(up, down) == kp.ITEMS
     assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
 
@@ -609,7 +609,11 @@ def test_item_rate_options(compiler):
     assert count(up, "mma.sync") * 2 == count(base_up, "mma.sync")  # one super-block per warp instead of two
     assert count(down, "mma.sync") == count(base_down, "mma.sync")  # the two K halves' code paths
     assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+2,", kc.ptx_text(down))  # the K halves meet on barrier 2
+    pad = kp.MoEUpPipeKey(s, pad_rows=True)  # a bulk copy per ring row: 8 each for W1 and W3 instead of 1
+    extra = count(pad, "cp.async.bulk.shared") - count(base_up, "cp.async.bulk.shared")  # 14 more at each issue site
+    assert extra > 0 and extra % (2 * kp.RB_UP - 2) == 0
+    assert kp.up_pipe_smem_bytes(pad) == kp.up_pipe_smem_bytes(base_up) + base_up.stages * 2 * kp.RB_UP * kp.UP_ROW_PAD * 4
     dec = kp.MoEUpPipeKey(s, decode=2)
     assert count(dec, "shr.b32") < count(base_up, "shr.b32") and count(dec, "mma.sync") == count(base_up, "mma.sync")
-    for key in (up, down, dec):
+    for key in (up, down, dec, pad):
         assert kc.resource_usage(key)["STACK"] == 0, key

@@ -64,14 +64,21 @@ class MoEUpPipeKey:
     # pairs and the whole ring is requested (no slot early: early_slots must be 0). Without it the tables, z and
     # the first slot take three dependent round trips (3.2 µs at batch 1, run 17's trace)
     prologue: bool = True  # run 19: staged 1.4 µs after the wait instead of 3.2
-    # how each code word is cut into bf16 pairs (`mxfp4_decode.PAIR_CUTS`): 2 takes one of the three integer-ALU
-    # ops per pair to the FMA pipe (the ALU pipe bounds the items: ncu math-pipe and wait stalls, run 22)
-    decode: int = 1
     # 'epi': one more warp that does no arithmetic: after each item's barrier it refills the slot and reduces
     # the compute warps' K partials (double-buffered) into SiTU, while the compute warps go on to the next item
     # (one CTA barrier per item instead of two; the refill and the reduction leave the compute warps' path)
     epilogue_warp: bool = True
+    # how each code word is cut into bf16 pairs (`mxfp4_decode.PAIR_CUTS`): 2 takes one of the three integer-ALU
+    # ops per pair to the FMA pipe (the ALU pipe bounds the items: ncu math-pipe and wait stalls, run 22)
+    decode: int = 1
+    # 'pad': each row of a ring slot starts 64 B after the previous one ends (one bulk copy per row instead of
+    # one per 8 rows). Unpadded, the 8 rows lie 1792 B apart, on the same banks: the two rows a quarter warp
+    # reads conflict, and 45% of moe_up's shared-memory load wavefronts were replays (run 22)
+    pad_rows: bool = False
     arch: str = "sm_90a"
+
+
+UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
 
 
 _RING_INIT = None
@@ -197,8 +204,8 @@ def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0, decode=1, bbs=(0, 4)):
 SMEM_BUDGET = 227 * 1024 - 2048  # dynamic shared memory a CTA may take on the H200, less static and slack
 
 
-def _up_stage_bytes(shape: MoEShape) -> int:
-    return RB_UP * (L // 8) * 4 * 2 + RB_UP * (L // 32) * 2
+def _up_stage_bytes(shape: MoEShape, pad: bool = False) -> int:
+    return RB_UP * (L // 8 + (UP_ROW_PAD if pad else 0)) * 4 * 2 + RB_UP * (L // 32) * 2
 
 
 def _up_fixed_bytes(key) -> int:
@@ -208,7 +215,7 @@ def _up_fixed_bytes(key) -> int:
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
     extra = (64 if key.prologue else 0) + (key.warps * 32 * 4 * 4 if key.epilogue_warp else 0)
-    return key.stages * (_up_stage_bytes(key.shape) + 8) + _up_fixed_bytes(key) + extra
+    return key.stages * (_up_stage_bytes(key.shape, key.pad_rows) + 8) + _up_fixed_bytes(key) + extra
 
 
 def build_up_pipe(key: MoEUpPipeKey):
@@ -232,6 +239,9 @@ def build_up_pipe(key: MoEUpPipeKey):
     SROW = L // 32  # scale bytes per row
     NRB = I // RB_UP
     W_BYTES = RB_UP * WROW * 4
+    PAD = key.pad_rows
+    WROWP = WROW + (UP_ROW_PAD if PAD else 0)  # words from one ring row to the next
+    WS_BYTES = RB_UP * WROWP * 4  # a slot's W1 (or W3) rows in shared memory
     S_BYTES = RB_UP * SROW
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
@@ -260,10 +270,16 @@ def build_up_pipe(key: MoEUpPipeKey):
         bar = bars.iterator + slot
         cute.arch.mbarrier_arrive_and_expect_tx(bar, STAGE_BYTES)
         b = bar.toint()
-        dw = w_base + slot * (2 * W_BYTES)
+        dw = w_base + slot * (2 * WS_BYTES)
         ds = s_base + slot * (2 * S_BYTES)
-        bulk(dw, mW1.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
-        bulk(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+        if PAD:  # a bulk copy per row, each row to its padded place
+            for r in range(RB_UP):
+                bulk(dw + r * (WROWP * 4), mW1.iterator.toint() + Int64(row + r) * (WROW * 4), WROW * 4, b)
+                bulk(dw + WS_BYTES + r * (WROWP * 4), mW3.iterator.toint() + Int64(row + r) * (WROW * 4),
+                     WROW * 4, b)
+        else:
+            bulk(dw, mW1.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+            bulk(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
         bulk(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
         bulk(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
 
@@ -311,7 +327,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                 stamp(mTrace, bx, 0)
         M = mF.shape[0]
         smem = cutlass.utils.SmemAllocator()
-        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2, RB_UP, WROW), stride=(2 * RB_UP * WROW, RB_UP * WROW, WROW, 1)),
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2, RB_UP, WROW), stride=(2 * RB_UP * WROWP, RB_UP * WROWP, WROWP, 1)),
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
@@ -1063,12 +1079,13 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 
 RUN17 = "pro0-epi0-prod0-swap0-late0"  # the run-17 kernels (the package default before run 19), kept for comparison
-ITEMS = "upw28-dec2-downk2"  # the three item-rate options together (its timeline build is in the bundle too)
+ITEMS = "upw28-dec2-pad-downk2"  # the three item-rate options together (its timeline build is in the bundle too)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22), and the item-rate
 # options alone and together. Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the compiler on the GPU
 # host
-AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "upw28", "dec2", "downk2", ITEMS)
+AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "upw28", "dec2", "pad", "downk2",
+                "upw28-dec2-downk2", ITEMS)
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1079,7 +1096,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [off], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.PAIR_CUTS`) [1], upwN (moe_up's compute warps, 7, 14 or 28) [14], downkN (moe_down's
-    compute warps per row group, splitting K) [1],
+    compute warps per row group, splitting K) [1], pad (moe_up's ring rows padded against bank conflicts) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1121,13 +1138,16 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["warps"] = int(m.group(1))
         elif m := re.fullmatch(r"downk([12])", tok):
             down["ksplit"] = int(m.group(1))
+        elif m := re.fullmatch(r"pad([01]?)", tok):
+            up["pad_rows"] = m.group(1) != "0"
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
                              f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), dec1/dec2 (the pair decode), upwN (moe_up's "
-                             f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pf0/pf1 (moe_up "
+                             f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
+                             f"(moe_up's padded ring rows), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1154,6 +1174,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"upw{up.warps}")
     if up.decode != MoEUpPipeKey.decode:
         parts.append(f"dec{up.decode}")
+    if up.pad_rows != MoEUpPipeKey.pad_rows:
+        parts.append("pad" if up.pad_rows else "pad0")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
