@@ -258,9 +258,12 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     # run 13's kernels: no merged prologue, every ring slot requested first, contiguous moe_down runs
     assert kp.parse_pipe_variant("pro0-contig-upearly4-downearly3") == (
         dict(prologue=False, early_slots=4), dict(prologue=False, balanced=False, early_slots=3))
-    assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1),
+    assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1, decode=1,
+                                                   pad_rows=False),
                                               dict(prologue=False, producer_warp=False, swap_shared=False,
-                                                   late_trigger=False))
+                                                   late_trigger=False, decode=1, ksplit=1))
+    assert kp.parse_pipe_variant("run20") == (dict(decode=1, pad_rows=False),
+                                              dict(late_trigger=False, decode=1, ksplit=1))
     # run17 is expanded where it stands: what follows it changes it
     assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
     assert kp.parse_pipe_variant("swap1-run17")[1]["swap_shared"] is False
@@ -585,8 +588,9 @@ def test_late_trigger_and_async_flush_options(compiler):
 
 def test_item_rate_options(compiler):
     """upwN gives moe_up N compute warps (28: one super-block each), dec2 the pair decode with fewer integer-ALU
-    shifts (same bits, tests/test_mxfp4.py), downk2 splits moe_down's K over two warps per row group; each
-    parses, names itself back, fits the shared memory, keeps the mma count per item and does not spill."""
+    shifts (same bits, tests/test_mxfp4.py), pad one bulk copy per ring row, downk2 splits moe_down's K over two
+    warps per row group (dec2, pad and downk2 are the defaults since run 23; run20 turns them off); each parses,
+    names itself back, fits the shared memory, keeps the mma count per item and does not spill."""
     import re
 
     from kimi_decode import compile as kc
@@ -596,24 +600,28 @@ def test_item_rate_options(compiler):
     for bad in ("upw5", "downk3", "dec3"):
         with pytest.raises(ValueError, match="pipelined-kernel variant"):
             kp.parse_pipe_variant(bad)
-    u, d = kp.parse_pipe_variant(kp.ITEMS)
+    u, d = kp.parse_pipe_variant("upw28")
     up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
     assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 2, True, 2, 2)
-    assert kp.pipe_variant_name(up, down) == kp.ITEMS
+    assert kp.pipe_variant_name(up, down) == "upw28"
+    u, d = kp.parse_pipe_variant("run20-upw28")
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-late0-downk1"
     assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
 
     def count(key, what):
         return len(re.findall(re.escape(what), kc.ptx_text(key)))
 
-    base_up, base_down = kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s)
+    base_up = kp.MoEUpPipeKey(s, decode=1, pad_rows=False)  # the run-20 kernels
+    base_down = kp.MoEDownPipeKey(s, decode=1, ksplit=1, late_trigger=False)
+    down = kp.MoEDownPipeKey(s)
     assert count(up, "mma.sync") * 2 == count(base_up, "mma.sync")  # one super-block per warp instead of two
     assert count(down, "mma.sync") == count(base_down, "mma.sync")  # the two K halves' code paths
     assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+2,", kc.ptx_text(down))  # the K halves meet on barrier 2
-    pad = kp.MoEUpPipeKey(s, pad_rows=True)  # a bulk copy per ring row: 8 each for W1 and W3 instead of 1
+    pad = kp.MoEUpPipeKey(s, decode=1)  # a bulk copy per ring row: 8 each for W1 and W3 instead of 1
     extra = count(pad, "cp.async.bulk.shared") - count(base_up, "cp.async.bulk.shared")  # 14 more at each issue site
     assert extra > 0 and extra % (2 * kp.RB_UP - 2) == 0
     assert kp.up_pipe_smem_bytes(pad) == kp.up_pipe_smem_bytes(base_up) + base_up.stages * 2 * kp.RB_UP * kp.UP_ROW_PAD * 4
-    dec = kp.MoEUpPipeKey(s, decode=2)
+    dec = kp.MoEUpPipeKey(s, pad_rows=False)
     assert count(dec, "shr.b32") < count(base_up, "shr.b32") and count(dec, "mma.sync") == count(base_up, "mma.sync")
     for key in (up, down, dec, pad):
         assert kc.resource_usage(key)["STACK"] == 0, key

@@ -69,12 +69,14 @@ class MoEUpPipeKey:
     # (one CTA barrier per item instead of two; the refill and the reduction leave the compute warps' path)
     epilogue_warp: bool = True
     # how each code word is cut into bf16 pairs (`mxfp4_decode.PAIR_CUTS`): 2 takes one of the three integer-ALU
-    # ops per pair to the FMA pipe (the ALU pipe bounds the items: ncu math-pipe and wait stalls, run 22)
-    decode: int = 1
+    # ops per pair to the FMA pipe (ncu: the decode's ALU ops and their math-pipe stalls hold most samples, run
+    # 22). Run 23: batch 1 70.4 µs against 71.7 (within the spread), batch 8 232.8 against 234.8
+    decode: int = 2
     # 'pad': each row of a ring slot starts 64 B after the previous one ends (one bulk copy per row instead of
     # one per 8 rows). Unpadded, the 8 rows lie 1792 B apart, on the same banks: the two rows a quarter warp
-    # reads conflict, and 45% of moe_up's shared-memory load wavefronts were replays (run 22)
-    pad_rows: bool = False
+    # reads conflict, and 45% of moe_up's shared-memory load wavefronts were replays (run 22). Run 23: batch 8
+    # 230.4 µs against 234.8, batch 1 unchanged
+    pad_rows: bool = True
     arch: str = "sm_90a"
 
 
@@ -544,11 +546,11 @@ class MoEDownPipeKey:
     # if this CTA completed it, follows the next item. Before, every thread waited for the fence and the atomic's
     # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp
     async_flush: bool = False
-    decode: int = 1  # see MoEUpPipeKey.decode
+    decode: int = 2  # see MoEUpPipeKey.decode
     # compute warps per row group: 2 splits each expert item's K (I) between two warps that meet in shared
     # memory (16 · warps rows per item as before, twice the compute warps: 8 warps per SM left the decode's
-    # latency uncovered)
-    ksplit: int = 1
+    # latency uncovered). Run 23: batch 1 70.4 µs against 71.7, batch 8 233.5 against 234.8 (within the spread)
+    ksplit: int = 2
     arch: str = "sm_90a"
 
     @property
@@ -630,8 +632,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     RPWS = 32 // GS
     NSH = D // RSH
     assert I % SB == 0 and L % RBD == 0 and S % (8 * SH_VEC) == 0 and 32 % GS == 0 and D % RSH == 0
-    assert RSH % (WARPS * RPWS) == 0
-    SHQ = RSH // (WARPS * RPWS)  # shared rows per lane group
+    SHW = min(WARPS, RSH // RPWS)  # compute warps that take a shared item's rows (all but at TP16 with downk2)
+    assert RSH % (SHW * RPWS) == 0
+    SHQ = RSH // (SHW * RPWS)  # shared rows per lane group
     bulk, unpack = bulk_g2s(), bf16x2_to_f32()
 
     @cute.jit
@@ -1000,13 +1003,13 @@ def build_down_pipe(key: MoEDownPipeKey):
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
-                if warp < WARPS:
+                if warp < SHW:
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     if const_expr(TR):
                         if tid == 0 and i < TRACE_ITEMS:
                             stamp(mTrace, bx, 4 + 2 * i)
                     for q in cutlass.range_constexpr(SHQ):
-                        rr = (q * WARPS + warp) * RPWS + sgrp
+                        rr = (q * SHW + warp) * RPWS + sgrp
                         wv = []
                         for j in cutlass.range_constexpr(SH_VEC):
                             # the slot holds RSH rows of 2·S bytes back to back: row rr starts at word rr·S/2
@@ -1078,14 +1081,15 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 # --------------------------------------------------------------------------- registry
 
 
-RUN17 = "pro0-epi0-prod0-swap0-late0"  # the run-17 kernels (the package default before run 19), kept for comparison
-ITEMS = "upw28-dec2-pad-downk2"  # the three item-rate options together (its timeline build is in the bundle too)
+# earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
+RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
+RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22), and the item-rate
 # options alone and together. Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the compiler on the GPU
 # host
-AOT_VARIANTS = (RUN17, "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "upw28", "dec2", "pad", "downk2",
-                "upw28-dec2-downk2", ITEMS)
+AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
+                "upw28")
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1100,16 +1104,18 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
-    means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run17 = pro0-epi0-prod0-swap0
-    (run 17's kernels, expanded where it stands, so that 'run17-swap1' is run 17's kernels with the swap).
+    means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run20 = RUN20 (the defaults of
+    runs 20-23), run17 = RUN17 (run 17's kernels), each expanded where it stands, so that 'run17-swap1' is run
+    17's kernels with the swap.
     E.g. 'pf1-tail2048', 'run17', 'pro0-contig-upearly4-downearly3' (run 13's kernels)."""
     import re
 
     up, down = {}, {}
     toks = text.split("-") if text else ["?"]
-    if "run17" in toks:  # expanded in place, so that options after it change it
-        i = toks.index("run17")
-        toks = toks[:i] + RUN17.split("-") + toks[i + 1:]
+    for alias, spelled in (("run17", RUN17), ("run20", RUN20)):
+        if alias in toks:  # expanded in place, so that options after it change it
+            i = toks.index(alias)
+            toks = toks[:i] + spelled.split("-") + toks[i + 1:]
     for tok in toks:
         if m := re.fullmatch(r"pf([01]?)", tok):
             up["prefetch_down"] = m.group(1) != "0"
@@ -1150,7 +1156,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"(moe_up's padded ring rows), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
-                             f"slots requested before the staging), run17; e.g. pf1-tail2048 or run17; got {text!r}")
+                             f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
     if up.get("prologue", MoEUpPipeKey.prologue):
@@ -1200,7 +1206,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         if down.ksplit != MoEDownPipeKey.ksplit:
             parts.append(f"downk{down.ksplit}")
     name = "-".join(parts) or "default"
-    return "run17" if name == RUN17 else name
+    return {RUN17: "run17", RUN20: "run20"}.get(name, name)
 
 
 def _aot_keys(kind: str):
@@ -1218,8 +1224,8 @@ def _aot_keys(kind: str):
                     key = make(s, arch=arch, **kw)
                     if key not in out:
                         out.append(key)
-                # the timeline of the item-rate comparison (kimi-decode moe --trace --executors fused@ITEMS)
-                kw = parse_pipe_variant(ITEMS)[0 if kind == "up" else 1]
+                # the timeline of the previous defaults (kimi-decode moe --trace --executors fused@run20)
+                kw = parse_pipe_variant("run20")[0 if kind == "up" else 1]
                 out.append(make(s, trace=True, arch=arch, **kw))
         return out
     return keys
