@@ -19,12 +19,14 @@ def measured_dir() -> Path:
 
 
 def load(name: str) -> pd.DataFrame:
-    """Load `data/measured/<name>.csv`; a clear error names what exists when it is missing."""
-    path = measured_dir() / (name if name.endswith(".csv") else f"{name}.csv")
-    if not path.exists():
-        have = sorted(p.stem for p in measured_dir().glob("*.csv"))
-        raise FileNotFoundError(f"no measured data {path.name!r} in {path.parent}; available: {have}")
-    return pd.read_csv(path)
+    """Load `data/measured/<name>.csv` (or `<name>.csv.xz`: the large timeline CSVs are kept compressed); a clear
+    error names what exists when it is missing."""
+    name = name.removesuffix(".xz").removesuffix(".csv")
+    for path in (measured_dir() / f"{name}.csv", measured_dir() / f"{name}.csv.xz"):
+        if path.exists():
+            return pd.read_csv(path)
+    have = sorted({p.name.removesuffix(".xz").removesuffix(".csv") for p in measured_dir().glob("*.csv*")})
+    raise FileNotFoundError(f"no measured data {name + '.csv'!r} in {measured_dir()}; available: {have}")
 
 
 def provenance_summary(df: pd.DataFrame) -> str:
