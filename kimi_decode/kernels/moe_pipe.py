@@ -499,9 +499,10 @@ def up_pipe_args(sh: MoEShape) -> tuple:
 
 @dataclass(frozen=True)
 class MoEDownPipeKey:
-    """moe_down with a ring. An expert item is 16 · `warps` latent rows of one active expert's W2: warp w owns
-    rows 16w..16w+15 as an mma.sync A operand (decoded to bf16 pairs as in moe_up) over the whole K = I, the
-    expert's tokens (a, bf16, from shared memory) are the B columns; w · a·W2ᵀ is added into the CTA's fp32
+    """moe_down with a ring. An expert item is 16 · `warps` latent rows of one active expert's W2: row group w
+    owns rows 16w..16w+15 as an mma.sync A operand (decoded to bf16 pairs as in moe_up) over K = I, taken by
+    `ksplit` warps that split K and meet in shared memory; the expert's tokens (a, bf16, from shared memory) are
+    the B columns; w · a·W2ᵀ is added into the CTA's fp32
     sum of its row block. A shared item is `rows_per_item` rows of the shared experts' down projection (bf16,
     CUDA cores). Expert items are ordered (row block, expert); each CTA takes a run of them (`balanced`: an equal
     share of the expert items and of the shared items; otherwise one contiguous run of both), so it sums one row
@@ -538,13 +539,14 @@ class MoEDownPipeKey:
     # 'late': let the tail's CTAs be scheduled (griddepcontrol.launch_dependents) only once a is staged, not
     # at this launch's start. The tail's CTAs that fit beside this one (about ten per SM) each load their
     # W_up row before their wait: a burst of about 10 MB that the a staging and the first ring slots queue
-    # behind (staging took 2.4-2.9 µs after the wait in runs 20 and 21; 1.1 µs with it, run 22: batch 1
-    # 69.2 µs against 70.4)
+    # behind (staging took 2.4-2.9 µs after the wait in runs 20 and 21, 1.1 µs with it in run 22). The step
+    # itself moved within the run-to-run spread (batch 1: 1.3 µs faster in run 22, 0.8 µs slower in run 23)
     late_trigger: bool = True
     # 'aflush': the producer warp flushes a finished row block (red.add of the CTA's sum, the fence, the
     # counter's atomic) while the compute warps go on with the next item; the row block's all-reduce read,
     # if this CTA completed it, follows the next item. Before, every thread waited for the fence and the atomic's
-    # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp
+    # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp. Measured slower (run 22:
+    # the next item's barrier waits for the producer warp's fence and atomic)
     async_flush: bool = False
     decode: int = 2  # see MoEUpPipeKey.decode
     # compute warps per row group: 2 splits each expert item's K (I) between two warps that meet in shared
@@ -1085,9 +1087,9 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
 RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
-# run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22), and the item-rate
-# options alone and together. Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the compiler on the GPU
-# host
+# run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
+# moe_up with 28 compute warps (no faster, run 23). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28")
 
