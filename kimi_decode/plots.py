@@ -401,3 +401,43 @@ def plot_moe_trace(df, batch: int = 1, copy: int | None = None, ax=None, title: 
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     return ax
+
+
+STALL_GROUPS = {  # ncu's sampled warp states (source page columns) -> what a reader calls them
+    "issued": ("stall_selected",),
+    "ALU/math pipe busy": ("stall_math", "stall_not_selected", "stall_dispatch"),
+    "fixed-latency dependency": ("stall_wait",),
+    "shared memory": ("stall_short_sb", "stall_mio"),
+    "global memory / mbarrier": ("stall_long_sb", "stall_lg"),
+    "CTA barrier": ("stall_barrier", "stall_membar"),
+}
+
+
+def plot_stall_hotspots(page, top: int = 10, ax=None, title: str | None = None):
+    """Where one kernel's warps were sampled (`profile.read_source_page` frame of ncu's source page): one bar per
+    opcode (its `top` busiest), split into groups of warp states (`STALL_GROUPS`); the rest of the states are
+    'other'. Bars are shares of all the kernel's samples."""
+    from .profile import stall_hotspots
+
+    hot = stall_hotspots(page, top=top)
+    if hot.empty or float(hot["samples"].sum()) == 0:
+        raise ValueError("the source page holds no warp samples")
+    total = float(page["Warp Stall Sampling (All Samples)"].sum())
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.45 * len(hot) + 1.5))
+    left = [0.0] * len(hot)
+    labels = list(hot.index)
+    for group, cols in list(STALL_GROUPS.items()) + [("other", None)]:
+        if cols is None:
+            vals = [(hot.loc[o, "samples"] - sum(hot.loc[o, c] for gcols in STALL_GROUPS.values() for c in gcols
+                                                  if c in hot.columns)) / total for o in labels]
+        else:
+            vals = [sum(hot.loc[o, c] for c in cols if c in hot.columns) / total for o in labels]
+        ax.barh(labels, vals, left=left, label=group)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the kernel's warp samples")
+    ax.set_title(title or "Where the warps were sampled, by SASS opcode")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    return ax

@@ -165,3 +165,26 @@ def test_notebook_02_plots_saved_profiles(profiles, monkeypatch):
     assert len(images) >= 3
     text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs)
     assert "fused-moe" in text and "NVIDIA H200" in text
+
+
+def test_stall_hotspots_bars_split_by_warp_state():
+    import pandas as pd
+
+    from kimi_decode.plots import STALL_GROUPS, plot_stall_hotspots
+
+    page = pd.DataFrame({"op": ["LOP3", "LOP3", "BRA", "HMMA"],
+                         "Warp Stall Sampling (All Samples)": [6, 4, 8, 2], "Instructions Executed": [1, 1, 1, 1],
+                         "stall_selected": [1, 1, 0, 1], "stall_math": [3, 2, 0, 0], "stall_long_sb": [0, 0, 7, 0],
+                         "stall_wait": [2, 1, 0, 1]})
+    ax = plot_stall_hotspots(page, title="k")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["LOP3", "BRA", "HMMA"]  # by samples: 10, 8, 2
+    widths = {}
+    for bars, group in zip(ax.containers, [*STALL_GROUPS, "other"]):
+        widths[group] = [b.get_width() for b in bars]
+    assert widths["global memory / mbarrier"][1] == pytest.approx(7 / 20)
+    assert widths["ALU/math pipe busy"][0] == pytest.approx(5 / 20)
+    assert widths["other"][1] == pytest.approx(1 / 20)  # BRA's sample without a named state
+    assert sum(sum(w) for w in widths.values()) == pytest.approx(1.0)
+    plt.close("all")
+    with pytest.raises(ValueError, match="no warp samples"):
+        plot_stall_hotspots(page.assign(**{"Warp Stall Sampling (All Samples)": 0}))
