@@ -274,9 +274,8 @@ def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> 
         raise ValueError("name the kernels to sample with a regular expression, e.g. 'up_kernel|down_kernel'")
     re.compile(kernels)
     req.check()
-    if choose_backend("ncu-cli") != "ncu-cli":
-        raise ProfilerUnavailable("source counters need the ncu command line")
-    folder = profile_folder(req) / "source"
+    choose_backend("ncu-cli")  # a GPU and the ncu command line, or ProfilerUnavailable naming what is missing
+    folder = profile_folder(req, root) / "source"
     folder.mkdir(parents=True, exist_ok=True)
     from .distributed import multicast_off_env
     env = dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
@@ -329,7 +328,8 @@ def read_source_page(path: str | Path) -> dict[str, pd.DataFrame]:
 
 def stall_hotspots(page: pd.DataFrame, top: int = 12) -> pd.DataFrame:
     """Where one kernel's warps were sampled, by opcode: share of all samples, instructions executed, and
-    the sampled warp states (ncu's stall_* columns, issued and not) of the `top` opcodes."""
+    the sampled warp states (ncu's stall_* columns over all samples; the "Not Issued" ones are left out) of the
+    `top` opcodes, busiest first."""
     samples = "Warp Stall Sampling (All Samples)"
     stalls = [c for c in page.columns if c.startswith("stall_") and "Not Issued" not in c]
     g = page.groupby("op")[[samples, "Instructions Executed", *stalls]].sum()
