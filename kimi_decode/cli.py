@@ -184,6 +184,20 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _cmd_mma_rate(args) -> int:
+    from .mma_rate import run_mma_rate
+    try:
+        df = run_mma_rate(outer=args.outer, out_csv=args.out, progress=not args.no_progress)
+    except RuntimeError as e:
+        print(f"kimi-decode mma-rate: {e}", file=sys.stderr)
+        return 3
+    print(df[["warps", "chains", "decode", "cycles_per_mma", "clock_GHz", "moe_up_item_cycles_if_mma_bound"]]
+          .round(2).to_string(index=False))
+    if args.out:
+        print(f"written to {args.out}")
+    return 0
+
+
 def _cmd_matrix(args) -> int:
     for row in support_matrix():
         print(f"{row.axis:<20} {row.supported}")
@@ -298,6 +312,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force a backend (default: chosen automatically)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("mma-rate", help="cycles per mma.sync (bf16 m16n8k16) on one SM sub-partition (GPU)",
+                       description="Time mma.sync.m16n8k16 bf16 on every SM (one CTA each) for 4-32 warps and 1-2 "
+                                   "independent chains, alone and behind the MXFP4 pair decode "
+                                   "(kernels/mma_rate.py): cycles per mma per sub-partition, and what a moe_up item "
+                                   "(56 mmas per sub-partition) would cost if the mma alone bounded it.")
+    p.add_argument("--outer", type=int, default=None, help="rounds of 8 mmas per chain between the clock reads "
+                                                            "(default kernels.mma_rate.MMA_RATE_OUTER)")
+    p.add_argument("--out", default=None, help="CSV to write")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_mma_rate)
 
     p = sub.add_parser("matrix", help="print the support matrix")
     p.set_defaults(func=_cmd_matrix)

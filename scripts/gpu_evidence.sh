@@ -48,6 +48,7 @@ stage_cmd() {
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8,17,64 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
     profile-stalls) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'up_kernel|down_kernel' && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls" ;;
+    mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
     profile-fused) echo "for b in 1 8 64; do $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done; for b in 1 8; do $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
