@@ -28,7 +28,7 @@ def run_mma_rate(keys: Iterable | None = None, outer: int | None = None, repeats
     if not torch.cuda.is_available():
         raise RuntimeError("mma-rate measures a GPU's tensor cores and needs one (run it through the offline "
                            "bundle on the GPU host)")
-    keys = list(keys) if keys is not None else km._aot_keys(kc.resolve_arch(None))
+    keys = list(keys) if keys is not None else km.rate_keys(kc.resolve_arch(None))
     outer = km.MMA_RATE_OUTER if outer is None else int(outer)
     if outer < 1:
         raise ValueError(f"outer rounds must be at least 1, got {outer}")

@@ -255,6 +255,13 @@ def ncu_command(req: ProfileRequest, report_base: Path) -> list[str]:
             sys.executable, "-m", "kimi_decode.profile", json.dumps(asdict(req))]
 
 
+def _ncu_env() -> dict:
+    """The environment of the ncu subprocess: NVLink multicast off, this checkout's package importable."""
+    from .distributed import multicast_off_env
+    return dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+
+
 def source_command(req: ProfileRequest, report_base: Path, kernels: str) -> list[str]:
     """ncu collecting per-instruction warp-state samples (the SourceCounters section, densest sampling) of the
     kernels whose names match the regular expression `kernels`, in one decode step."""
@@ -277,10 +284,8 @@ def source_page(req: ProfileRequest, kernels: str, root: Path | None = None) -> 
     choose_backend("ncu-cli")  # a GPU and the ncu command line, or ProfilerUnavailable naming what is missing
     folder = profile_folder(req, root) / "source"
     folder.mkdir(parents=True, exist_ok=True)
-    from .distributed import multicast_off_env
-    env = dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run(source_command(req, folder / "profile", kernels), capture_output=True, text=True, env=env)
+    res = subprocess.run(source_command(req, folder / "profile", kernels), capture_output=True, text=True,
+                         env=_ncu_env())
     log = res.stdout + res.stderr
     if res.returncode == 0:
         page = subprocess.run([ncu_path() or "ncu", "-i", str(folder / "profile.ncu-rep"), "--page", "source",
@@ -490,10 +495,7 @@ def profile(req: ProfileRequest, backend: str | None = None, save: bool = True,
     cmd: list[str] = []
     if chosen == "ncu-cli":
         cmd = ncu_command(req, folder / "profile")
-        from .distributed import multicast_off_env
-        env = dict(multicast_off_env(), PYTHONPATH=os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        res = subprocess.run(cmd, capture_output=True, text=True, env=_ncu_env())
         (folder / "ncu.log").write_text(res.stdout + res.stderr)
         if res.returncode != 0:
             raise RuntimeError(f"ncu failed with exit code {res.returncode}; see {folder / 'ncu.log'}")

@@ -23,7 +23,7 @@ def test_ahead_of_time_builds_do_not_spill_and_keep_every_mma(compiler):
     import re
 
     from kimi_decode import compile as kc
-    keys = km._aot_keys("sm_90a")
+    keys = km.rate_keys("sm_90a")
     assert {(k.warps, k.chains) for k in keys if not k.decode} == {(w, c) for w in km.MMA_RATE_WARPS
                                                                  for c in km.MMA_RATE_CHAINS}
     for key in keys:

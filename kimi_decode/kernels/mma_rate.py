@@ -96,7 +96,7 @@ MMA_RATE_WARPS = (4, 8, 16, 32)
 MMA_RATE_CHAINS = (1, 2)  # 4 chains spill (ptxas unrolls the rounds 4 times)
 
 
-def _aot_keys(arch: str):
+def rate_keys(arch: str):
     """The configurations built ahead of time: every warp count with 1 or 2 chains, with and without the decode,
     except 32 warps × 2 chains with the decode (64 registers a thread: it spills)."""
     return [MmaRateKey(w, c, d, arch=arch) for d in (False, True) for w in MMA_RATE_WARPS for c in MMA_RATE_CHAINS
@@ -104,6 +104,7 @@ def _aot_keys(arch: str):
 
 
 MMA_RATE = kc.register(kc.KernelSpec(name="mma_rate", module=__name__, key_type=MmaRateKey, build=build_mma_rate,
-                                     aot_keys=_aot_keys, ptx_checks=("mma.sync", "%clock64")))
+                                     aot_keys=rate_keys, ptx_checks=("mma.sync", "%clock64")))
 
-__all__ = ["MmaRateKey", "MMA_RATE_SMS", "MMA_RATE_DEPTH", "MMA_RATE_OUTER", "MMA_RATE_WARPS", "MMA_RATE_CHAINS"]
+__all__ = ["MmaRateKey", "rate_keys", "MMA_RATE_SMS", "MMA_RATE_DEPTH", "MMA_RATE_OUTER", "MMA_RATE_WARPS",
+           "MMA_RATE_CHAINS"]

@@ -591,7 +591,7 @@ def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
 def build_down_pipe(key: MoEDownPipeKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
+    from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import D
     from .mxfp4_decode import scale_pair
@@ -751,10 +751,10 @@ def build_down_pipe(key: MoEDownPipeKey):
     @cute.jit
     def allreduce_rows(rb: Int32, sq: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor, mR: cute.Tensor,
                        mNorm: cute.Tensor, mSsq: cute.Tensor, mCnt: cute.Tensor, M: Int32, tid: Int32, bx: Int32,
-                       mTrace: cute.Tensor):
-        """(all threads, inlined; 'aflush') every expert of row block rb is in: the one-shot all-reduce read of
-        it (own partial + the peers'), r ⊙ w_norm stored (bf16), its Σ r² into the tokens' sums; re-arms the
-        row block's counter for the next step"""
+                       mTrace: cute.Tensor, zero: Constexpr):
+        """(all threads, inlined) every expert of row block rb is in: the one-shot all-reduce read of it (own
+        partial + the peers'), r ⊙ w_norm stored (bf16), its Σ r² (left in the scratch sq, [M, RBD], zeroed
+        afterwards with `zero`) into the tokens' sums; re-arms the row block's counter for the next step"""
         cute.arch.fence_acq_rel_gpu()
         for idx in cutlass.range(tid, M * RBD, THREADS):
             t = idx // RBD
@@ -767,6 +767,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         cute.arch.barrier()
         rms_sumsq()(sq, mSsq, M, RBD, WARPS)
         cute.arch.barrier()  # sq is free for a later row block
+        if const_expr(zero):
+            for idx in cutlass.range(tid, M * RBD, THREADS):
+                sq[idx // RBD, idx % RBD] = Float32(0.0)
         if tid == 0:
             mCnt[rb] = Int32(0)  # re-arm for the next step
             if const_expr(TR):
@@ -953,7 +956,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     apend = Int32(0)  # the compute warps synced on barrier 1 above if it was pending
                     if chk >= 0:  # the previous row block's flag, stored before this item's barrier
                         if flag[chk % 2] != 0:
-                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
                         chk = Int32(-1)
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if warp == WARPS:  # the producer warp, while the compute warps go on
@@ -982,24 +985,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                                 stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
                         cute.arch.barrier()
                         if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
-                            cute.arch.fence_acq_rel_gpu()
-                            for idx in cutlass.range(tid, M * RBD, THREADS):
-                                t = idx // RBD
-                                rl = idx - t * RBD
-                                tot_ = mCoef[0] * mLat[0, t, rb * RBD + rl]
-                                for p_ in cutlass.range_constexpr(1, TP):
-                                    tot_ = tot_ + mCoef[p_] * mLat[p_, t, rb * RBD + rl]
-                                mR[t, rb * RBD + rl] = (tot_ * mNorm[0, rb * RBD + rl].to(Float32)).to(BFloat16)
-                                acc[t, rl] = tot_ * tot_
-                            cute.arch.barrier()
-                            rms_sumsq()(acc, mSsq, M, RBD, WARPS)  # Σ r² of the row block into the token's sum
-                            cute.arch.barrier()
-                            for idx in cutlass.range(tid, M * RBD, THREADS):
-                                acc[idx // RBD, idx % RBD] = Float32(0.0)
-                            if tid == 0:
-                                mCnt[rb] = Int32(0)  # re-arm for the next step
-                                if const_expr(TR):
-                                    stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
+                            allreduce_rows(rb, acc, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, True)
                         cute.arch.barrier()
             else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
                 n0 = (k - ne) * RSH
@@ -1042,7 +1028,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if const_expr(AFL):
                     if chk >= 0:  # the last row block's flag, stored before this item's barrier
                         if flag[chk % 2] != 0:
-                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                            allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
                         chk = Int32(-1)
         if const_expr(AFL):
             if apend != 0:  # balance the producer's last bar.arrive on barrier 1
@@ -1051,7 +1037,7 @@ def build_down_pipe(key: MoEDownPipeKey):
             cute.arch.barrier()  # a flush after the last item: its flag is stored
             if chk >= 0:
                 if flag[chk % 2] != 0:
-                    allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                    allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)

@@ -120,14 +120,6 @@ def decode_pairs(version: int = 1):
     return _PAIRS[version]
 
 
-def _shifted(dst: str, src: str, right: int, left: int) -> list[str]:
-    if right and left:
-        raise ValueError("one shift per source")
-    if right:
-        return [f"shr.b32 {dst}, {src}, {right};"]
-    return [f"shl.b32 {dst}, {src}, {left};"] if left else [f"mov.b32 {dst}, {src};"]
-
-
 def _make_pairs(version: int):
     from cutlass import Int32
     from cutlass._mlir.dialects import llvm
@@ -137,8 +129,8 @@ def _make_pairs(version: int):
     if version == 2:
         body.append("shr.b32 qr, q, 8;")
     for k, ((sr, sl), (mr, ml)) in enumerate(PAIR_CUTS[version]):
-        assert sr == 0
-        body += _shifted("t", "q", 0, sl)
+        assert sr == 0  # every sign source is q shifted left
+        body.append(f"shl.b32 t, q, {sl};" if sl else "mov.b32 t, q;")
         body.append("and.b32 sg, t, 0x80008000;")
         if version == 2:
             body.append(f"shl.b32 mg, {'qr' if mr else 'q'}, {ml};")
