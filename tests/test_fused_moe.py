@@ -298,6 +298,37 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     assert down.prologue and down.producer_warp and down.swap_shared
 
 
+def test_spread_decode_and_z_last_options_compile(compiler):
+    """dec3 cuts pairs by mask, multiply, mask (`mxfp4_decode.SPREAD`, same bits: tests/test_mxfp4.py) in both
+    kernels: integer multiplies instead of most shifts, the same mma count; zlast stages moe_up's z in the ring's
+    last slots and requests the others from the prologue (only with the merged prologue); neither spills."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("dec3-zlast")
+    assert (u["decode"], d["decode"], u["z_last"]) == (3, 3, True)
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "dec3-zlast"
+    with pytest.raises(ValueError, match="zlast"):
+        kp.parse_pipe_variant("pro0-zlast")
+
+    def count(key, what):
+        return len(re.findall(re.escape(what), kc.ptx_text(key)))
+
+    up, dec3_up = kp.MoEUpPipeKey(s), kp.MoEUpPipeKey(s, decode=3)
+    down, dec3_down = kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, decode=3)
+    for a, b in ((up, dec3_up), (down, dec3_down)):
+        assert count(a, "mul.lo.u32") == 0 < count(b, "mul.lo.u32")
+        assert count(b, "shl.b32") < count(a, "shl.b32")
+        assert count(b, "mma.sync") == count(a, "mma.sync") and count(b, "mul.rn.bf16x2") == count(a, "mul.rn.bf16x2")
+    zl = kp.MoEUpPipeKey(s, z_last=True)
+    assert count(zl, "mma.sync") == count(up, "mma.sync")
+    for key in (dec3_up, dec3_down, zl):
+        assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
+
+
 def test_prologue_and_extra_warp_options_compile(compiler):
     """'pro' stages with bulk copies (more cp.async.bulk, fewer global loads); the extra warps add threads
     but no arithmetic (the same mma count); no option spills."""
@@ -597,7 +628,7 @@ def test_item_rate_options(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    for bad in ("upw5", "downk3", "dec3"):
+    for bad in ("upw5", "downk3", "dec4"):
         with pytest.raises(ValueError, match="pipelined-kernel variant"):
             kp.parse_pipe_variant(bad)
     u, d = kp.parse_pipe_variant("upw28")

@@ -62,12 +62,13 @@ def test_bad_shapes_refused():
 
 
 def test_pair_decode_bit_cuts_give_the_e2m1_values():
-    """Both ways of cutting a word into bf16 pairs (`mxfp4_decode.PAIR_CUTS`, emulated on ints) give codes k and
-    k + 4 times 2^-126, for random words and for every single code in every position."""
+    """Every way of cutting a word into bf16 pairs (`mxfp4_decode.VERSIONS`: the shift cuts of `PAIR_CUTS` and
+    v3's mask-multiply-mask `SPREAD`, emulated on ints) gives codes k and k + 4 times 2^-126, for random words and
+    for every single code in every position; an unknown version is refused."""
     import random
     import struct
 
-    from kimi_decode.kernels.mxfp4_decode import PAIR_CUTS, emulate_pairs
+    from kimi_decode.kernels.mxfp4_decode import VERSIONS, emulate_pairs
 
     def bf16(bits):  # bf16 bit pattern -> its value (as the fp32 with those top 16 bits)
         return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
@@ -75,9 +76,12 @@ def test_pair_decode_bit_cuts_give_the_e2m1_values():
     table = [float(v) for v in mxfp4.e2m1_decode(torch.arange(16))]
     rng = random.Random(5)
     words = [rng.getrandbits(32) for _ in range(500)] + [c << (4 * k) for c in range(16) for k in range(8)]
-    for version in PAIR_CUTS:
+    assert VERSIONS == (1, 2, 3)
+    for version in VERSIONS:
         for q in words:
             for k, pr in enumerate(emulate_pairs(q, version)):
                 lo, hi = bf16(pr & 0xFFFF), bf16(pr >> 16)
                 assert lo == table[(q >> (4 * k)) & 15] * 2.0 ** -126, (version, hex(q), k)
                 assert hi == table[(q >> (4 * k + 16)) & 15] * 2.0 ** -126, (version, hex(q), k)
+    with pytest.raises(ValueError, match="decode version"):
+        emulate_pairs(0, 4)

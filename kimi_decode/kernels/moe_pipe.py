@@ -77,6 +77,12 @@ class MoEUpPipeKey:
     # reads conflict, and 45% of moe_up's shared-memory load wavefronts were replays (run 22). Run 23: batch 8
     # 230.4 µs against 234.8, batch 1 unchanged
     pad_rows: bool = True
+    # 'zlast' (with 'pro'): z is staged in the ring's last slots (one at up to 2 tokens), so that the slots before
+    # them can be requested as soon as the prologue's round trip brings the routing tables, while z is converted
+    # and the shared experts' SiTU finishes. Without it the whole ring is requested after the CTA barrier that
+    # ends the staging, and the first item's slot arrives one round trip later (about 1 µs at batch 1, run 24's
+    # trace: staged 8.9 µs, item 0's slot 9.9 µs)
+    z_last: bool = False
     arch: str = "sm_90a"
 
 
@@ -254,6 +260,11 @@ def build_up_pipe(key: MoEUpPipeKey):
     EARLY = key.early_slots
     assert 0 <= EARLY <= ST
     NB = 2 if EPI else 1  # buffers of the K partials
+    ZL = key.z_last
+    SLOT_W = 2 * WS_BYTES  # bytes of a slot's W1 and W3 rows: z (fp32) fills whole slots from the ring's end
+    assert PRO or not ZL, "z_last stages z in the ring: it needs the merged prologue"
+    for m_ in range(1, MXT + 1):  # the last slot's last row has no padding after it: z must end before it
+        assert -(-m_ * L * 4 // SLOT_W) * SLOT_W - (UP_ROW_PAD * 4 if PAD else 0) >= m_ * L * 4
     if PRO:
         assert EARLY == 0, "the merged prologue stages z in the ring: no slot may be requested before it"
         assert ST * 2 * W_BYTES >= MXT * L * 4, "the ring must hold PIPE_MAX_M tokens' fp32 z"
@@ -289,22 +300,31 @@ def build_up_pipe(key: MoEUpPipeKey):
     def stage_prologue_up(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
                           mF: cute.Tensor, s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor,
                           s_tok: cute.Tensor, ring_w: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor,
-                          mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32):
+                          mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32,
+                          mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, bars: cute.Tensor,
+                          w_base, s_base, nz):
         """(all threads, inlined; 'pro') thread 0 bulk-copies meta, the routing tables and every token's z row
-        (fp32, into the idle ring) on one mbarrier; meanwhile the shared experts' SiTU and the zeroing; then z
+        (fp32, into the idle ring: its first slots, or with 'zlast' its last `nz`) on one mbarrier; meanwhile the
+        shared experts' SiTU and the zeroing; with 'zlast' thread 0 then requests the slots before z's; then z
         to bf16 pairs in the mma's B order. Returns the number of active experts."""
         M = mF.shape[0]
         pb = pbar.iterator
+        zbase = ring_w.iterator + (ST - nz) * (2 * RB_UP * WROWP) if ZL else ring_w.iterator
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M, per_token=L * 4))
             b = pb.toint()
             bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, b)
             for t in cutlass.range(M):
-                bulk(ring_w.iterator.toint() + t * (L * 4), mF.iterator.toint() + Int64(t) * F_ROW + Z0 * 4,
+                bulk(zbase.toint() + t * (L * 4), mF.iterator.toint() + Int64(t) * F_ROW + Z0 * 4,
                      L * 4, b)
         shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.mbarrier_wait(pb, 0)
-        zf = cute.make_tensor(cute.recast_ptr(ring_w.iterator, dtype=Float32),
+        if const_expr(ZL):
+            if tid == 0:  # the slots z does not use: untouched since the kernel began, no proxy fence needed
+                for s in cutlass.range(ST - nz):
+                    if bx + s * G < s_meta[0] * NRB:
+                        issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+        zf = cute.make_tensor(cute.recast_ptr(zbase, dtype=Float32),
                               cute.make_layout((MXT, L), stride=(L, 1)))
         gS = cute.zipped_divide(zf, (1, 4))
         for idx in cutlass.range(tid, M * (L // 8), THREADS):
@@ -359,9 +379,11 @@ def build_up_pipe(key: MoEUpPipeKey):
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 1)
+        # slots z takes ('zlast': from the ring's end; they are requested after the staging, the others before)
+        nz = (M * (L * 4) + SLOT_W - 1) // SLOT_W if ZL else ST
         if const_expr(PRO):
             nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
-                                     mAsh, mLat, mSsq, bx, tid)
+                                     mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz)
         else:
             nact = mMeta[0]
             # the routing tables, once, into shared memory: no global round trip on an item's critical path
@@ -402,9 +424,14 @@ def build_up_pipe(key: MoEUpPipeKey):
         if tid == 0:  # the rest of the ring, now that z is in
             if const_expr(PRO):  # the ring held z: generic-proxy reads before the bulk writes
                 cute.arch.fence_view_async_shared()
-            for s in cutlass.range_constexpr(EARLY, ST):
-                if bx + s * G < nitems:
-                    issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            if const_expr(ZL):
+                for s in cutlass.range(ST - nz, ST):
+                    if bx + s * G < nitems:
+                        issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            else:
+                for s in cutlass.range_constexpr(EARLY, ST):
+                    if bx + s * G < nitems:
+                        issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 3)
 
@@ -1074,10 +1101,12 @@ RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20
 RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
-# moe_up with 28 compute warps (no faster, run 23). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# moe_up with 28 compute warps (no faster, run 23), the mask-multiply pair decode and moe_up's z in its last ring slots
+# (dec3, zlast: run 26). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28")
+                "upw28", "dec3", "zlast", "dec3-zlast")
+TRACE_VARIANTS = ("run20", "dec3-zlast")  # variants with a timeline build besides the defaults
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1126,7 +1155,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["late_trigger"] = m.group(1) != "0"
         elif m := re.fullmatch(r"aflush([01]?)", tok):
             down["async_flush"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"dec([12])", tok):
+        elif m := re.fullmatch(r"dec([123])", tok):
             up["decode"] = down["decode"] = int(m.group(1))
         elif (m := re.fullmatch(r"upw(\d+)", tok)) and int(m.group(1)) in UP_WARPS:
             up["warps"] = int(m.group(1))
@@ -1134,19 +1163,25 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["ksplit"] = int(m.group(1))
         elif m := re.fullmatch(r"pad([01]?)", tok):
             up["pad_rows"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"zlast([01]?)", tok):
+            up["z_last"] = m.group(1) != "0"
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
                              f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
-                             f"producer warp flushes row blocks), dec1/dec2 (the pair decode), upwN (moe_up's "
+                             f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
-                             f"(moe_up's padded ring rows), pf0/pf1 (moe_up "
+                             f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
+                             f"slots and requests the others first), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
+    if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
+        raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
+                         f"with pro0; got {text!r}")
     if up.get("prologue", MoEUpPipeKey.prologue):
         if up.get("early_slots", 0) != 0:
             raise ValueError(f"the merged prologue stages z in moe_up's ring, so no ring slot can be requested "
@@ -1170,6 +1205,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"dec{up.decode}")
     if up.pad_rows != MoEUpPipeKey.pad_rows:
         parts.append("pad" if up.pad_rows else "pad0")
+    if up.z_last != MoEUpPipeKey.z_last:
+        parts.append("zlast" if up.z_last else "zlast0")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
@@ -1212,9 +1249,11 @@ def _aot_keys(kind: str):
                     key = make(s, arch=arch, **kw)
                     if key not in out:
                         out.append(key)
-                # the timeline of the previous defaults (kimi-decode moe --trace --executors fused@run20)
-                kw = parse_pipe_variant("run20")[0 if kind == "up" else 1]
-                out.append(make(s, trace=True, arch=arch, **kw))
+                for v in TRACE_VARIANTS:  # their timelines (kimi-decode moe --trace --executors fused@run20)
+                    kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
+                    key = make(s, trace=True, arch=arch, **kw)
+                    if key not in out:
+                        out.append(key)
         return out
     return keys
 

@@ -94,13 +94,28 @@ PAIR_CUTS = {
     2: tuple(((0, 12 - 4 * k), (8 if k >= 2 else 0, 6 - 4 * (k % 2))) for k in range(4)),
 }
 MAG_MASK, SIGN_MASK = 0x01C001C0, 0x80008000
+# v3: no shift pair per pair. The pair's two nibbles are masked out of q (codes 2, 3, 6, 7 out of q >> 8, the one
+#     right shift per word), then one integer multiply by 2^a + 2^b writes the nibbles to two places at once (the
+#     two copies do not overlap, so the multiply carries nothing), and a second mask keeps the magnitude of one copy
+#     and the sign of the other: per pair two logic ops (ALU pipe) and one IMAD (FMA pipe), instead of v2's two
+#     logic ops and about two shifts. SPREAD[k % 2] = (nibble mask, multiplier) of pairs k and k + 2.
+SPREAD = {0: (0x000F000F, (1 << 6) + (1 << 12)), 1: (0x00F000F0, (1 << 2) + (1 << 8))}
+VERSIONS = (1, 2, 3)
 
 
 def emulate_pairs(q: int, version: int = 1) -> list[int]:
     """The bit operations of `decode_pairs` on a Python int (before the scale multiply): 4 bf16x2 words,
     each the codes (k, k+4) times 2^-126 (used by the CPU tests)."""
+    if version not in VERSIONS:
+        raise ValueError(f"decode version must be one of {VERSIONS}, got {version!r}")
     q &= 0xFFFFFFFF
     out = []
+    if version == 3:
+        for k in range(4):
+            mask, mult = SPREAD[k % 2]
+            t = ((q >> 8) if k >= 2 else q) & mask
+            out.append(((t * mult) & 0xFFFFFFFF) & (MAG_MASK | SIGN_MASK))
+        return out
     for (sr, sl), (mr, ml) in PAIR_CUTS[version]:
         sign = ((q >> sr) << sl) & 0xFFFFFFFF
         mag = ((q >> mr) << ml) & 0xFFFFFFFF
@@ -112,9 +127,9 @@ def decode_pairs(version: int = 1):
     """`@dsl_user_op` decode_pairs(q, scale_pair) -> [4 × Int32]: the 8 codes of q dequantised as bf16
     pairs, pair k = (code k in the low half, code k + 4 in the high half): the A operand of a bf16
     mma.sync straight from the decode (same arithmetic as `decode_word`, without the fp32 split).
-    `version` picks how the pairs are cut out (`PAIR_CUTS`); both give the same bits."""
-    if version not in PAIR_CUTS:
-        raise ValueError(f"decode version must be one of {sorted(PAIR_CUTS)}, got {version!r}")
+    `version` picks how the pairs are cut out (`PAIR_CUTS`, `SPREAD`); all give the same bits."""
+    if version not in VERSIONS:
+        raise ValueError(f"decode version must be one of {VERSIONS}, got {version!r}")
     if version not in _PAIRS:
         _PAIRS[version] = _make_pairs(version)
     return _PAIRS[version]
@@ -126,9 +141,14 @@ def _make_pairs(version: int):
     from cutlass.cutlass_dsl import T, dsl_user_op
 
     body = []
-    if version == 2:
+    if version in (2, 3):
         body.append("shr.b32 qr, q, 8;")
-    for k, ((sr, sl), (mr, ml)) in enumerate(PAIR_CUTS[version]):
+    if version == 3:
+        for k in range(4):
+            mask, mult = SPREAD[k % 2]
+            body += [f"and.b32 t, {'qr' if k >= 2 else 'q'}, {mask:#010x};", f"mul.lo.u32 t, t, {mult};",
+                     f"and.b32 pr, t, {MAG_MASK | SIGN_MASK:#010x};", f"mul.rn.bf16x2 ${k}, pr, sc;"]
+    for k, ((sr, sl), (mr, ml)) in enumerate(PAIR_CUTS.get(version, ())):
         assert sr == 0  # every sign source is q shifted left
         body.append(f"shl.b32 t, q, {sl};" if sl else "mov.b32 t, q;")
         body.append("and.b32 sg, t, 0x80008000;")
@@ -137,7 +157,7 @@ def _make_pairs(version: int):
         else:  # v1: the magnitude source is the sign source shifted right by 6
             body.append("shr.b32 mg, t, 6;")
         body += ["and.b32 mg, mg, 0x01C001C0;", "or.b32 pr, mg, sg;", f"mul.rn.bf16x2 ${k}, pr, sc;"]
-    regs = "q, qr, t, sg, mg, pr, sc" if version == 2 else "q, t, sg, mg, pr, sc"
+    regs = "q, qr, t, sg, mg, pr, sc" if version in (2, 3) else "q, t, sg, mg, pr, sc"
     asm = ("{\n.reg .b32 " + regs + ";\nmov.b32 q, $4;\nmov.b32 sc, $5;\n" + "\n".join(body) + "\n}")
 
     @dsl_user_op
