@@ -113,7 +113,7 @@ def _cmd_moe(args) -> int:
     from .moe_bench import run_moe_breakdown, run_moe_sweep
 
     if args.trace:
-        from .moe_trace import run_moe_trace, summarize_trace
+        from .moe_trace import run_moe_trace, summarize_trace, warp_item_summary
         if len(_ints(args.tps)) != 1:
             raise SystemExit("--trace takes one --tps value")
         exe = args.executors.split(",")
@@ -122,6 +122,8 @@ def _cmd_moe(args) -> int:
         df = run_moe_trace(_ints(args.tps)[0], _ints(args.batches), variant=exe[0].partition("@")[2] or None,
                            replays=args.replays, out_csv=args.out, progress=not args.no_progress)
         print(summarize_trace(df).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+        print("moe_up, cycles from an item's slot arrival, per warp (median over CTAs and copies):")
+        print(warp_item_summary(df).to_string(index=False, float_format=lambda v: f"{v:.0f}"))
         return 0
 
     if args.breakdown:

@@ -118,8 +118,8 @@ class FusedMoE:
         registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
         direct down, up to PIPE_MAX_M tokens).
         trace: the pipelined expert kernels' timeline builds, which record per-CTA checkpoints (%globaltimer and
-        %clock64) into `trace_up` / `trace_down` ([CTAs, 2, 32] int64, `kernels.moe_pipe.TRACE_UP` / `TRACE_DOWN`
-        name the slots; `moe_trace` reads them)."""
+        %clock64) into `trace_up` / `trace_down` ([CTAs, 2, TRACE_BUF] int64, `kernels.moe_pipe.TRACE_UP` /
+        `TRACE_DOWN` name the first 32 slots, `warp_trace_name` moe_up's per-warp ones; `moe_trace` reads them)."""
         from . import compile as kc
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
@@ -188,7 +188,7 @@ class FusedMoE:
         f = self._fns
         # the pipelined kernels also take the next launch's weights (which they may prefetch into L2) and a
         # timeline buffer (written only by their trace builds)
-        self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_SLOTS, dtype=torch.int64, device=dev)
+        self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_BUF, dtype=torch.int64, device=dev)
         self.trace_down = torch.zeros_like(self.trace_up)
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
         down_extra = (w.up, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()

@@ -5,7 +5,9 @@ each kernel alone. Neither says *why* a launch takes as long as it does. The tim
 kernels (`FusedMoE(trace=True)`, `kernels.moe_pipe.MoEUpPipeKey(trace=True)` and the down key) record, per CTA,
 %globaltimer (ns, one clock for the whole GPU) and %clock64 at named checkpoints (`TRACE_UP`, `TRACE_DOWN`):
 the start, the end of the wait for the previous launch, the first ring requests, the end of the staging, each
-item's slot arrival and completion, moe_down's row-block flush and all-reduce read, the end.
+item's slot arrival and completion, moe_down's row-block flush and all-reduce read, the end; and for moe_up's first
+items (`WARP_TRACE_ITEMS`), per warp, when it passed the slot's mbarrier and when it had stored its K partials, and
+when the reducing warp began and ended the item's reduction (`warp_item_summary`).
 
 `run_moe_trace` times the traced step like the sweep (L2 rotated over layer copies), then replays the graph
 once more with zeroed buffers and returns one row per (copy, kernel, CTA, checkpoint): the time in ns from the
@@ -29,7 +31,7 @@ from .weights import make_layer_weights
 def trace_rows(ex, copy: int) -> list[dict]:
     """One row per recorded checkpoint of `ex` (a traced FusedMoE) after a step: kernel, cta, checkpoint, ns
     (from the earliest moe_up start)."""
-    from .kernels.moe_pipe import TRACE_DOWN, TRACE_SLOTS, TRACE_UP
+    from .kernels.moe_pipe import TRACE_BUF, TRACE_DOWN, TRACE_SLOTS, TRACE_UP, warp_trace_name
 
     bufs = {"moe.up": (ex.trace_up.cpu(), TRACE_UP), "moe.down": (ex.trace_down.cpu(), TRACE_DOWN)}
     up_ns = bufs["moe.up"][0][:, 0, 0]
@@ -39,6 +41,8 @@ def trace_rows(ex, copy: int) -> list[dict]:
     rows = []
     for kernel, (buf, names) in bufs.items():
         names = list(names) + [""] * (TRACE_SLOTS - 1 - len(names)) + ["end"]
+        if kernel == "moe.up":  # the per-warp checkpoints of its first items
+            names += [warp_trace_name(c) for c in range(TRACE_SLOTS, TRACE_BUF)]
         for cta in range(buf.shape[0]):
             for c, name in enumerate(names):
                 ns = int(buf[cta, 0, c])
@@ -111,3 +115,26 @@ def summarize_trace(df: pd.DataFrame) -> pd.DataFrame:
     order = {"moe.up": 0, "moe.down": 1}
     out["k"] = out.kernel.map(order)
     return out.sort_values(["batch", "k", "slot"]).drop(columns=["k", "slot"]).reset_index(drop=True)
+
+
+def warp_item_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """moe_up's per-warp checkpoints (`run_moe_trace` rows) -> one row per (batch, variant, item, warp): the
+    median over CTAs and copies of the cycles from the item's slot arrival (CTA checkpoint itemN_arrived) to the
+    warp getting past the mbarrier ('waited') and to its partials being stored ('computed'); the reducing warp as
+    warp 'epi' (began / ended its reduction)."""
+    up = df[df.kernel == "moe.up"].assign(variant=lambda d: d["variant"].fillna(""))
+    per = up[up.checkpoint.str.match(r"item\d+_(w\d+|epi)_")].copy()
+    if per.empty:
+        raise ValueError("no per-warp checkpoints: the trace was made by a build without them (before run 27)")
+    parts = per.checkpoint.str.extract(r"item(?P<item>\d+)_(?P<warp>w\d+|epi)_(?P<what>\w+)")
+    per = pd.concat([per, parts], axis=1)
+    per["item"] = per["item"].astype(int)
+    arrived = up[up.checkpoint.str.fullmatch(r"item\d+_arrived")].copy()
+    arrived["item"] = arrived.checkpoint.str.extract(r"item(\d+)_")[0].astype(int)
+    keys = ["batch", "variant", "copy", "cta", "item"]
+    per = per.merge(arrived[keys + ["clk"]].rename(columns={"clk": "arrived_clk"}), on=keys)
+    per["cycles"] = per.clk - per.arrived_clk
+    out = per.pivot_table(index=["batch", "variant", "item", "warp"], columns="what", values="cycles",
+                          aggfunc="median").reset_index()
+    out.columns.name = None
+    return out

@@ -299,8 +299,9 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
 
 
 def test_spread_decode_and_z_last_options_compile(compiler):
-    """dec3 cuts pairs by mask, multiply, mask (`mxfp4_decode.SPREAD`, same bits: tests/test_mxfp4.py) in both
-    kernels: integer multiplies instead of most shifts, the same mma count; zlast stages moe_up's z in the ring's
+    """dec3 (the default since run 26) cuts pairs by mask, multiply, mask (`mxfp4_decode.SPREAD`, same bits:
+    tests/test_mxfp4.py) in both kernels: integer multiplies instead of most shifts of run 24's dec2, the same mma
+    count; zlast stages moe_up's z in the ring's
     last slots and requests the others from the prologue (only with the merged prologue); neither spills."""
     import re
 
@@ -308,23 +309,26 @@ def test_spread_decode_and_z_last_options_compile(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    u, d = kp.parse_pipe_variant("dec3-zlast")
-    assert (u["decode"], d["decode"], u["z_last"]) == (3, 3, True)
-    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "dec3-zlast"
+    u, d = kp.parse_pipe_variant("dec2-zlast")
+    assert (u["decode"], d["decode"], u["z_last"]) == (2, 2, True)
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "dec2-zlast"
     with pytest.raises(ValueError, match="zlast"):
         kp.parse_pipe_variant("pro0-zlast")
 
     def count(key, what):
         return len(re.findall(re.escape(what), kc.ptx_text(key)))
 
-    up, dec3_up = kp.MoEUpPipeKey(s), kp.MoEUpPipeKey(s, decode=3)
-    down, dec3_down = kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, decode=3)
+    up, dec3_up = kp.MoEUpPipeKey(s, decode=2), kp.MoEUpPipeKey(s)  # the run-24 decode; dec3 is the default
+    down, dec3_down = kp.MoEDownPipeKey(s, decode=2), kp.MoEDownPipeKey(s)
+    assert (dec3_up.decode, dec3_down.decode) == (3, 3)
+    u, d = kp.parse_pipe_variant("run24")
+    assert (u["decode"], d["decode"]) == (2, 2) and kp.pipe_variant_name(up, down) == "run24"
     for a, b in ((up, dec3_up), (down, dec3_down)):
         assert count(a, "mul.lo.u32") == 0 < count(b, "mul.lo.u32")
         assert count(b, "shl.b32") < count(a, "shl.b32")
         assert count(b, "mma.sync") == count(a, "mma.sync") and count(b, "mul.rn.bf16x2") == count(a, "mul.rn.bf16x2")
     zl = kp.MoEUpPipeKey(s, z_last=True)
-    assert count(zl, "mma.sync") == count(up, "mma.sync")
+    assert count(zl, "mma.sync") == count(dec3_up, "mma.sync")
     for key in (dec3_up, dec3_down, zl):
         assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
 
@@ -633,7 +637,7 @@ def test_item_rate_options(compiler):
             kp.parse_pipe_variant(bad)
     u, d = kp.parse_pipe_variant("upw28")
     up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
-    assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 2, True, 2, 2)
+    assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 3, True, 3, 2)
     assert kp.pipe_variant_name(up, down) == "upw28"
     u, d = kp.parse_pipe_variant("run20-upw28")
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-late0-downk1"

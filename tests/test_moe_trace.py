@@ -7,11 +7,11 @@ from kimi_decode.support import UnsupportedConfiguration
 
 
 class _FakeTraced:
-    """What trace_rows reads from a traced FusedMoE: two [CTAs, 2, 32] int64 buffers."""
+    """What trace_rows reads from a traced FusedMoE: two [CTAs, 2, TRACE_BUF] int64 buffers."""
 
     def __init__(self, ctas=4):
-        from kimi_decode.kernels.moe_pipe import TRACE_SLOTS
-        self.trace_up = torch.zeros(ctas, 2, TRACE_SLOTS, dtype=torch.int64)
+        from kimi_decode.kernels.moe_pipe import TRACE_BUF
+        self.trace_up = torch.zeros(ctas, 2, TRACE_BUF, dtype=torch.int64)
         self.trace_down = torch.zeros_like(self.trace_up)
 
 
@@ -34,6 +34,39 @@ def test_trace_rows_are_relative_to_the_earliest_up_start_and_skip_unreached_che
     assert (a["ns"], a["clk"], a["copy"]) == (2_100, 4_000, 3)
     ar = [r for r in rows if r["checkpoint"] == "allreduce_done"]
     assert len(ar) == 1 and ar[0]["cta"] == 2 and ar[0]["ns"] == 20_000
+
+
+def test_per_warp_checkpoints_are_named_and_summarised_from_the_item_arrival():
+    """moe_up's per-warp slots (after the 32 CTA checkpoints) read back as itemN_wW_waited / _computed and
+    itemN_epi_began / _ended; warp_item_summary gives the median cycles from the item's slot arrival."""
+    import pandas as pd
+
+    from kimi_decode.kernels.moe_pipe import TRACE_BUF, TRACE_SLOTS, WARP_TRACE_EPI, warp_trace_name, warp_trace_slot
+    from kimi_decode.moe_trace import trace_rows, warp_item_summary
+    assert warp_trace_slot(0, 0, 0) == TRACE_SLOTS and warp_trace_slot(3, WARP_TRACE_EPI, 1) == TRACE_BUF - 1
+    assert warp_trace_name(warp_trace_slot(1, 5, 1)) == "item1_w5_computed"
+    assert warp_trace_name(warp_trace_slot(2, WARP_TRACE_EPI, 0)) == "item2_epi_began"
+    rows = []
+    for copy in (0, 1):
+        ex = _FakeTraced(ctas=2)
+        for cta in range(2):
+            ex.trace_up[cta, 0, 0] = 1000  # start
+            ex.trace_up[cta, 0, 4], ex.trace_up[cta, 1, 4] = 2000, 10_000  # item0_arrived
+            for warp in (0, 1):
+                for k, dclk in ((0, 50 + warp), (1, 900 + 100 * warp + 10 * copy)):
+                    c = warp_trace_slot(0, warp, k)
+                    ex.trace_up[cta, 0, c], ex.trace_up[cta, 1, c] = 2000 + dclk, 10_000 + dclk
+            for k, dclk in ((0, 1200), (1, 1500)):
+                c = warp_trace_slot(0, WARP_TRACE_EPI, k)
+                ex.trace_up[cta, 0, c], ex.trace_up[cta, 1, c] = 2000 + dclk, 10_000 + dclk
+        rows += [dict(r, batch=1, variant=None) for r in trace_rows(ex, copy=copy)]
+    df = pd.DataFrame(rows)
+    assert {"item0_w1_computed", "item0_epi_ended"} <= set(df.checkpoint)
+    s = warp_item_summary(df).set_index("warp")
+    assert (s.loc["w0", "waited"], s.loc["w0", "computed"], s.loc["w1", "computed"]) == (50, 905, 1005)
+    assert (s.loc["epi", "began"], s.loc["epi", "ended"]) == (1200, 1500)
+    with pytest.raises(ValueError, match="per-warp"):
+        warp_item_summary(df[~df.checkpoint.str.contains("_w|_epi")])
 
 
 def test_trace_rows_refuse_a_step_whose_kernels_recorded_nothing():
@@ -104,6 +137,14 @@ def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
     for buf in (ex.trace_up, ex.trace_down):
         start, end = buf[:, 0, 0], buf[:, 0, TRACE_SLOTS - 1]
         assert bool((start > 0).all()) and bool((end >= start).all())
+    # moe_up's first item, per warp: every compute warp and the reducer recorded, in order, after the slot arrived
+    from kimi_decode.kernels.moe_pipe import WARP_TRACE_EPI, MoEUpPipeKey, warp_trace_slot
+    clk = ex.trace_up[:, 1]
+    for warp in range(MoEUpPipeKey.warps):
+        waited, computed = clk[:, warp_trace_slot(0, warp, 0)], clk[:, warp_trace_slot(0, warp, 1)]
+        assert bool((waited > 0).all()) and bool((computed > waited).all()), warp
+    began, ended = clk[:, warp_trace_slot(0, WARP_TRACE_EPI, 0)], clk[:, warp_trace_slot(0, WARP_TRACE_EPI, 1)]
+    assert bool((began > 0).all()) and bool((ended > began).all())
     assert int(ex.trace_down[:, 0, 0].max()) > int(ex.trace_up[:, 0, 0].min())
 
 

@@ -41,6 +41,27 @@ TRACE_UP = ("start", "wait_done", "ring_issued", "staged") + tuple(
 TRACE_DOWN = ("start", "ring_issued", "wait_done", "staged") + tuple(
     f"item{n}_{w}" for n in range(TRACE_ITEMS) for w in ("arrived", "done")) + (
     "flush_start", "flush_counted", "allreduce_done")
+# moe_up's traced build also records, for its first WARP_TRACE_ITEMS items, when each compute warp got past the
+# slot's mbarrier ('waited') and when it had stored its K partials ('computed'), and when the reducing warp
+# (the epilogue warp, or the last compute warp without one) began and ended the item's reduction; these sit
+# after the TRACE_SLOTS CTA checkpoints, two per (item, warp), the reducer as warp WARP_TRACE_EPI
+WARP_TRACE_ITEMS = 4
+WARP_TRACE_EPI = 31  # above every compute warp count (UP_WARPS)
+TRACE_BUF = TRACE_SLOTS + WARP_TRACE_ITEMS * 32 * 2  # int64 slots per CTA and clock in the timeline buffer
+
+
+def warp_trace_slot(n, warp, k):
+    """Slot of per-warp checkpoint k (0 waited / began, 1 computed / ended) of item n and warp `warp`."""
+    return TRACE_SLOTS + (n * 32 + warp) * 2 + k
+
+
+def warp_trace_name(slot: int) -> str:
+    """The checkpoint name of a per-warp slot (`warp_trace_slot`), e.g. 'item1_w3_computed', 'item0_epi_ended'."""
+    n, rest = divmod(slot - TRACE_SLOTS, 64)
+    warp, k = divmod(rest, 2)
+    if warp == WARP_TRACE_EPI:
+        return f"item{n}_epi_{('began', 'ended')[k]}"
+    return f"item{n}_w{warp}_{('waited', 'computed')[k]}"
 PF_MAX_ACTIVE = 32  # moe_up prefetches the active experts' W2 only up to this many (about 23 MB at TP8);
 # more would not stay in the 50 MB L2 next to moe_up's own bytes
 
@@ -70,8 +91,10 @@ class MoEUpPipeKey:
     epilogue_warp: bool = True
     # how each code word is cut into bf16 pairs (`mxfp4_decode.PAIR_CUTS`): 2 takes one of the three integer-ALU
     # ops per pair to the FMA pipe (ncu: the decode's ALU ops and their math-pipe stalls hold most samples, run
-    # 22). Run 23: batch 1 70.4 µs against 71.7 (within the spread), batch 8 232.8 against 234.8
-    decode: int = 2
+    # 22). Run 23: batch 1 70.4 µs against 71.7 (within the spread), batch 8 232.8 against 234.8. 3 cuts each pair
+    # with two logic ops and one integer multiply (`mxfp4_decode.SPREAD`). Run 26: an item 2030 cycles against
+    # 2150 (moe_down's expert items 1950 against 2220), batch 8 223.0 µs against 225.6, batch 1 within the spread
+    decode: int = 3
     # 'pad': each row of a ring slot starts 64 B after the previous one ends (one bulk copy per row instead of
     # one per 8 rows). Unpadded, the 8 rows lie 1792 B apart, on the same banks: the two rows a quarter warp
     # reads conflict, and 45% of moe_up's shared-memory load wavefronts were replays (run 22). Run 23: batch 8
@@ -125,12 +148,12 @@ def stamp(mTrace, bx, c):
 
 
 def trace_arg():
-    """Compile-time stand-in of the pipelined kernels' timeline buffer: Int64 [CTAs, 2, TRACE_SLOTS] (written
+    """Compile-time stand-in of the pipelined kernels' timeline buffer: Int64 [CTAs, 2, TRACE_BUF] (written
     only by builds with trace=True)."""
     import cutlass.cute as cute
     from cutlass import Int64
 
-    return cute.runtime.make_fake_compact_tensor(Int64, (H200_SMS, 2, TRACE_SLOTS), stride_order=(2, 1, 0),
+    return cute.runtime.make_fake_compact_tensor(Int64, (H200_SMS, 2, TRACE_BUF), stride_order=(2, 1, 0),
                                                  assumed_align=16)
 
 
@@ -452,6 +475,8 @@ def build_up_pipe(key: MoEUpPipeKey):
                 if const_expr(TR):
                     if tid == 0 and n < TRACE_ITEMS:
                         stamp(mTrace, bx, 4 + 2 * n)
+                    if lane == 0 and n < WARP_TRACE_ITEMS:
+                        stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
                 accs = []
                 for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -466,6 +491,9 @@ def build_up_pipe(key: MoEUpPipeKey):
                     for q in cutlass.range_constexpr(1, SBW):
                         v = v + accs[q][r]
                     red[buf, warp, lane, r] = v
+                if const_expr(TR):
+                    if lane == 0 and n < WARP_TRACE_ITEMS:
+                        stamp(mTrace, bx, warp_trace_slot(n, warp, 1))
             cute.arch.barrier()
             if const_expr(EPI and TR):
                 if tid == 0 and n < TRACE_ITEMS:
@@ -477,6 +505,9 @@ def build_up_pipe(key: MoEUpPipeKey):
                     cute.arch.fence_view_async_shared()
                     issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if warp == (WARPS if EPI else WARPS - 1):
+                if const_expr(TR):
+                    if lane == 0 and n < WARP_TRACE_ITEMS:
+                        stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 0))
                 tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                 for w_ in cutlass.range_constexpr(WARPS):
                     for r in cutlass.range_constexpr(4):
@@ -485,6 +516,9 @@ def build_up_pipe(key: MoEUpPipeKey):
                     tk = 2 * c + x_
                     if tk < num:
                         mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+                if const_expr(TR):
+                    if lane == 0 and n < WARP_TRACE_ITEMS:
+                        stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 1))
             if const_expr(not EPI):  # the partials' one buffer is free again
                 cute.arch.barrier()
                 if const_expr(TR):
@@ -575,7 +609,7 @@ class MoEDownPipeKey:
     # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp. Measured slower (run 22:
     # the next item's barrier waits for the producer warp's fence and atomic)
     async_flush: bool = False
-    decode: int = 2  # see MoEUpPipeKey.decode
+    decode: int = 3  # see MoEUpPipeKey.decode
     # compute warps per row group: 2 splits each expert item's K (I) between two warps that meet in shared
     # memory (16 · warps rows per item as before, twice the compute warps: 8 warps per SM left the decode's
     # latency uncovered). Run 23: batch 1 70.4 µs against 71.7, batch 8 233.5 against 234.8 (within the spread)
@@ -1099,14 +1133,15 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 # earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
 RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
 RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
+RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
-# moe_up with 28 compute warps (no faster, run 23), the mask-multiply pair decode and moe_up's z in its last ring slots
-# (dec3, zlast: run 26). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
+# last ring slots (zlast, no faster, run 26). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "dec3", "zlast", "dec3-zlast")
-TRACE_VARIANTS = ("run20", "dec3-zlast")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast")
+TRACE_VARIANTS = ("run20", "run24")  # variants with a timeline build besides the defaults
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1114,22 +1149,24 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], late
-    (moe_down lets the tail's CTAs be scheduled only once its a is staged) [off], aflush (moe_down's producer
+    (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
-    `mxfp4_decode.PAIR_CUTS`) [1], upwN (moe_up's compute warps, 7, 14 or 28) [14], downkN (moe_down's
-    compute warps per row group, splitting K) [1], pad (moe_up's ring rows padded against bank conflicts) [off],
+    `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14 or 28) [14], downkN (moe_down's
+    compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
+    zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
-    means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run20 = RUN20 (the defaults of
-    runs 20-23), run17 = RUN17 (run 17's kernels), each expanded where it stands, so that 'run17-swap1' is run
+    means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
+    runs 24-26), run20 = RUN20 (the defaults of runs 20-23), run17 = RUN17 (run 17's kernels), each expanded
+    where it stands, so that 'run17-swap1' is run
     17's kernels with the swap.
     E.g. 'pf1-tail2048', 'run17', 'pro0-contig-upearly4-downearly3' (run 13's kernels)."""
     import re
 
     up, down = {}, {}
     toks = text.split("-") if text else ["?"]
-    for alias, spelled in (("run17", RUN17), ("run20", RUN20)):
+    for alias, spelled in (("run17", RUN17), ("run20", RUN20), ("run24", RUN24)):
         if alias in toks:  # expanded in place, so that options after it change it
             i = toks.index(alias)
             toks = toks[:i] + spelled.split("-") + toks[i + 1:]
@@ -1231,7 +1268,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         if down.ksplit != MoEDownPipeKey.ksplit:
             parts.append(f"downk{down.ksplit}")
     name = "-".join(parts) or "default"
-    return {RUN17: "run17", RUN20: "run20"}.get(name, name)
+    return {RUN17: "run17", RUN20: "run20", RUN24: "run24"}.get(name, name)
 
 
 def _aot_keys(kind: str):
