@@ -65,6 +65,7 @@ RESULT_COLUMNS = {
             "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
     "breakdown": ["executor", "batch", "launch", "label", "prefix_us", "prefix_p10", "prefix_p90", "added_us",
                   "GBps_of_added"],
+    "mma_rate": ["warps", "chains", "decode", "cycles_per_mma", "clock_GHz", "moe_up_item_cycles_if_mma_bound"],
 }
 
 
@@ -74,10 +75,17 @@ def results_markdown(name: str, kind: str | None = None) -> str:
     if kind is None:
         if "prefix_us" in df.columns:
             kind = "breakdown"
+        elif "cycles_per_mma" in df.columns:
+            kind = "mma_rate"
         else:
             kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
+    if kind not in RESULT_COLUMNS:
+        raise ValueError(f"kind must be one of {sorted(RESULT_COLUMNS)}, got {kind!r}")
+    cols = [c for c in RESULT_COLUMNS[kind] if c in df.columns]
+    if not cols:
+        raise ValueError(f"{name}: none of the {kind} table's columns ({', '.join(RESULT_COLUMNS[kind])}) is in it")
     digits = 4 if kind == "check" else 1
-    return markdown_table(df, RESULT_COLUMNS[kind], digits=digits) + f"\n\nMeasured: {provenance_summary(df)}."
+    return markdown_table(df, cols, digits=digits) + f"\n\nMeasured: {provenance_summary(df)}."
 
 
 PROFILE_OVERHEAD_BOUNDS = (0.95, 1.30)  # profile sum / graph time: see docs/profiling.md

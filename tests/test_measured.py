@@ -58,3 +58,15 @@ def test_breakdown_csv_prints_its_own_columns():
     from kimi_decode.measured import results_markdown
     md = results_markdown("moe_breakdown_h200_tp8")
     assert md.startswith("| executor | batch | launch | label | prefix_us |") and "moe.front" in md
+
+
+def test_mma_rate_csv_prints_its_own_columns_and_a_wrong_kind_is_refused():
+    import pytest
+
+    from kimi_decode.measured import results_markdown
+    md = results_markdown("mma_rate_h200")
+    assert md.startswith("| warps | chains | decode | cycles_per_mma |") and "NVIDIA H200" in md
+    with pytest.raises(ValueError, match="none of the breakdown table's columns"):
+        results_markdown("mma_rate_h200", kind="breakdown")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        results_markdown("mma_rate_h200", kind="nope")
