@@ -333,6 +333,32 @@ def test_spread_decode_and_z_last_options_compile(compiler):
         assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
 
 
+def test_sixteen_up_warps_balance_the_sub_partitions(compiler):
+    """upw16: warps 0..11 take two super-blocks, 12..15 one, so every row's 28 super-blocks are taken once and each
+    sub-partition (warps w = s mod 4) has 7 (14 warps: 8, 8, 6, 6); same mma count as the default, no spill."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    nsb = kp.L // kp.SB
+
+    def per_smsp(warps):
+        taken = [w + warps * q for w in range(warps) for q in range(-(-nsb // warps)) if w + warps * q < nsb]
+        assert sorted(taken) == list(range(nsb)), warps
+        return [sum(1 for w in range(warps) for q in range(-(-nsb // warps)) if w % 4 == p and w + warps * q < nsb)
+                for p in range(4)]
+
+    assert per_smsp(16) == [7, 7, 7, 7] and per_smsp(14) == [8, 8, 6, 6]
+    u, d = kp.parse_pipe_variant("upw16")
+    up = kp.MoEUpPipeKey(s, **u)
+    assert up.warps == 16 and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "upw16"
+    ptx = kc.ptx_text(up)
+    assert len(re.findall(r"mma\.sync", ptx)) == len(re.findall(r"mma\.sync", kc.ptx_text(kp.MoEUpPipeKey(s))))
+    assert kc.resource_usage(up)["STACK"] == 0 and kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET
+
+
 def test_prologue_and_extra_warp_options_compile(compiler):
     """'pro' stages with bulk copies (more cp.async.bulk, fewer global loads); the extra warps add threads
     but no arithmetic (the same mma count); no option spills."""

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from .. import compile as kc
 from .moe import D, E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
-UP_WARPS = (7, 14, 28)  # moe_up's compute warp counts (each takes 28 / warps of a row's 28 super-blocks)
+# moe_up's compute warp counts: warp w takes super-blocks w, w + warps, ... of a row's 28 (16: warps 0..11 take two,
+# 12..15 one, so that each sub-partition, warps w = s mod 4, has 7; with 14 two sub-partitions have 8 and two 6)
+UP_WARPS = (7, 14, 16, 28)
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
 H200_SMS = 132
@@ -264,8 +266,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     EPI, PRO = key.epilogue_warp, key.prologue
     THREADS = 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
     NSB = L // SB
-    assert NSB % WARPS == 0 and I % RB_UP == 0
-    SBW = NSB // WARPS
+    assert I % RB_UP == 0 and WARPS in UP_WARPS and NSB % 4 == 0
+    SBW = -(-NSB // WARPS)  # super-blocks of the busiest warp; the last round only for warps with sb < NSB
     WROW = L // 8  # int32 words (8 codes each) per row
     SROW = L // 32  # scale bytes per row
     NRB = I // RB_UP
@@ -357,6 +359,14 @@ def build_up_pipe(key: MoEUpPipeKey):
             z1 = gS[(None, (t, 2 * o + 1))].load()
             store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
         return s_meta[0]
+
+    def up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t):
+        """(traced inline) a lane's share of super-block sb of the slot's W1 and W3 rows g (A rows g, g + 8)."""
+        a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
+        a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+        sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
+        sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+        return superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode)
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -481,11 +491,12 @@ def build_up_pipe(key: MoEUpPipeKey):
                 for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     sb = warp + WARPS * q
-                    a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
-                    a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
-                    sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
-                    sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
-                    accs.append(superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode))
+                    if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
+                        accs.append(up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t))
+                    else:  # only the first NSB - WARPS * q warps
+                        if sb < NSB:
+                            acc = up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t)
+                        accs.append(acc)
                 for r in cutlass.range_constexpr(4):
                     v = accs[0][r]
                     for q in cutlass.range_constexpr(1, SBW):
@@ -1137,10 +1148,10 @@ RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
-# last ring slots (zlast, no faster, run 26). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (7 super-blocks per sub-partition). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast")
+                "upw28", "run24", "zlast", "upw16")
 TRACE_VARIANTS = ("run20", "run24")  # variants with a timeline build besides the defaults
 
 
@@ -1151,7 +1162,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
-    `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14 or 28) [14], downkN (moe_down's
+    `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
     compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
     zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
