@@ -108,7 +108,27 @@ class MoEUpPipeKey:
     # ends the staging, and the first item's slot arrives one round trip later (about 1 µs at batch 1, run 24's
     # trace: staged 8.9 µs, item 0's slot 9.9 µs)
     z_last: bool = False
+    # 'bal' (14 compute warps and the epilogue warp): the super-blocks are split in halves (2 of the 4 words a lane
+    # holds) and dealt so that the four sub-partitions (warps w = s mod 4) do equal work: UP_BALANCED_HALVES. With
+    # two super-blocks per warp, sub-partitions 0 and 1 (four compute warps each) have 8 and finish about 550
+    # cycles after sub-partition 3 (three warps, 6), sub-partition 2 has 6 and the epilogue warp (run 27's
+    # per-warp timeline). None: on wherever it applies (14 compute warps and the epilogue warp); False: off
+    balance: bool | None = None
     arch: str = "sm_90a"
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the build deals half super-blocks ('bal'): `balance`, or where it is None, whether it applies."""
+        possible = self.warps == len(UP_BALANCED_HALVES) and self.epilogue_warp
+        if self.balance and not possible:
+            raise ValueError(f"balance deals half super-blocks over {len(UP_BALANCED_HALVES)} compute warps and the "
+                             f"epilogue warp: not with warps={self.warps}, epilogue_warp={self.epilogue_warp}")
+        return possible if self.balance is None else self.balance
+
+
+# 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
+# epilogue warp) 12, 3 14: of a row's 56 halves, warp w takes the UP_BALANCED_HALVES[w] after those of warps < w
+UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
@@ -268,6 +288,11 @@ def build_up_pipe(key: MoEUpPipeKey):
     NSB = L // SB
     assert I % RB_UP == 0 and WARPS in UP_WARPS and NSB % 4 == 0
     SBW = -(-NSB // WARPS)  # super-blocks of the busiest warp; the last round only for warps with sb < NSB
+    BAL = key.balanced
+    if BAL:
+        assert WARPS == len(UP_BALANCED_HALVES) and EPI and sum(UP_BALANCED_HALVES) == 2 * NSB
+        HSTART = tuple(sum(UP_BALANCED_HALVES[:w]) for w in range(WARPS))
+        HMIN, HMAX = min(UP_BALANCED_HALVES), max(UP_BALANCED_HALVES)
     WROW = L // 8  # int32 words (8 codes each) per row
     SROW = L // 32  # scale bytes per row
     NRB = I // RB_UP
@@ -367,6 +392,19 @@ def build_up_pipe(key: MoEUpPipeKey):
         sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
         sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
         return superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode)
+
+    def up_half(acc, gW, ring_s, gZ, slot, g, c, h, t):
+        """(traced inline; 'bal') a lane's share of half super-block h (words 2·(h mod 2), +1 of the lane's four in
+        super-block h // 2) of the slot's W1 and W3 rows g."""
+        sb = h // 2
+        hi = (h - 2 * sb) == 1
+        a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
+        a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+        w1 = [Int32(cutlass.select_(hi, a1[2 + k], a1[k])) for k in range(2)]
+        w3 = [Int32(cutlass.select_(hi, a3[2 + k], a3[k])) for k in range(2)]
+        sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
+        sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+        return superblock_mma(acc, w1, w3, sc1, sc3, gZ, t, 16 * sb + 4 * c + 2 * (h - 2 * sb), key.decode, (0, 2))
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -471,6 +509,11 @@ def build_up_pipe(key: MoEUpPipeKey):
         g = lane // 4
         c = lane - 4 * g
         gW = cute.zipped_divide(ring_w, (1, 1, 1, 4))
+        if const_expr(BAL):  # this warp's run of half super-blocks
+            h0, nh = Int32(0), Int32(0)
+            for w_ in cutlass.range_constexpr(WARPS):
+                h0 = Int32(cutlass.select_(warp == w_, Int32(HSTART[w_]), h0))
+                nh = Int32(cutlass.select_(warp == w_, Int32(UP_BALANCED_HALVES[w_]), nh))
         n = Int32(0)
         for item in cutlass.range(bx, nitems, G):
             slot = n % ST
@@ -488,7 +531,23 @@ def build_up_pipe(key: MoEUpPipeKey):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
                 accs = []
-                for q in cutlass.range_constexpr(SBW):  # one accumulator per super-block: independent mma chains
+                if const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
+                    acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    for u in cutlass.range_constexpr(HMAX):
+                        if const_expr(u < HMIN):
+                            if const_expr(u % 2 == 0):
+                                acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                            else:
+                                acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                        else:
+                            if u < nh:
+                                if const_expr(u % 2 == 0):
+                                    acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                                else:
+                                    acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                    accs = [acc0, acc1]
+                for q in cutlass.range_constexpr(0 if BAL else SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     sb = warp + WARPS * q
                     if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
@@ -499,7 +558,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                         accs.append(acc)
                 for r in cutlass.range_constexpr(4):
                     v = accs[0][r]
-                    for q in cutlass.range_constexpr(1, SBW):
+                    for q in cutlass.range_constexpr(1, len(accs)):
                         v = v + accs[q][r]
                     red[buf, warp, lane, r] = v
                 if const_expr(TR):
@@ -1142,17 +1201,18 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 
 # earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
-RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
+RUN20 = "dec1-pad0-bal0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
 RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
-RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
+RUN24 = "dec2-bal0"  # the run-24 kernels (the defaults from run 24 to run 26)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
-# last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (7 super-blocks per sub-partition). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (slower, run 27) and with whole super-blocks
+# per warp (bal0, the kernels before run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16")
-TRACE_VARIANTS = ("run20", "run24")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal0")
+TRACE_VARIANTS = ("run20", "run24", "bal0")  # variants with a timeline build besides the defaults
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1164,7 +1224,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
     compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
-    zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off],
+    zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off], bal (moe_up
+    deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; only bal0 is
+    spelled) [on where it applies: 14 compute warps and the epilogue warp],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1213,6 +1275,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["pad_rows"] = m.group(1) != "0"
         elif m := re.fullmatch(r"zlast([01]?)", tok):
             up["z_last"] = m.group(1) != "0"
+        elif tok == "bal0":
+            up["balance"] = False
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
@@ -1221,7 +1285,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
-                             f"slots and requests the others first), pf0/pf1 (moe_up "
+                             f"slots and requests the others first), bal0 (moe_up's super-blocks dealt whole, not in "
+                             f"halves that even out its sub-partitions), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1255,6 +1320,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("pad" if up.pad_rows else "pad0")
     if up.z_last != MoEUpPipeKey.z_last:
         parts.append("zlast" if up.z_last else "zlast0")
+    if up.balance is False and up.warps == len(UP_BALANCED_HALVES) and up.epilogue_warp:
+        parts.append("bal0")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
