@@ -113,7 +113,7 @@ def _cmd_moe(args) -> int:
     from .moe_bench import run_moe_breakdown, run_moe_sweep
 
     if args.trace:
-        from .moe_trace import run_moe_trace, summarize_trace, warp_item_summary
+        from .moe_trace import run_moe_trace, sub_partition_summary, summarize_trace, warp_item_summary
         if len(_ints(args.tps)) != 1:
             raise SystemExit("--trace takes one --tps value")
         exe = args.executors.split(",")
@@ -124,6 +124,8 @@ def _cmd_moe(args) -> int:
         print(summarize_trace(df).to_string(index=False, float_format=lambda v: f"{v:.2f}"))
         print("moe_up, cycles from an item's slot arrival, per warp (median over CTAs and copies):")
         print(warp_item_summary(df).to_string(index=False, float_format=lambda v: f"{v:.0f}"))
+        print("moe_up, by sub-partition (warp w runs on w mod 4): cycles until its last warp stored its partials:")
+        print(sub_partition_summary(df).to_string(index=False, float_format=lambda v: f"{v:.0f}"))
         return 0
 
     if args.breakdown:

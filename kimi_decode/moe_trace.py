@@ -138,3 +138,20 @@ def warp_item_summary(df: pd.DataFrame) -> pd.DataFrame:
                           aggfunc="median").reset_index()
     out.columns.name = None
     return out
+
+
+def sub_partition_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """`warp_item_summary` by SM sub-partition (warp w runs on w mod 4): one row per (batch, variant, item) with,
+    per sub-partition, the cycles from the slot's arrival until its last compute warp had stored its partials
+    (`sp0` .. `sp3`), how many compute warps it has, and when the reducing warp began and ended."""
+    w = warp_item_summary(df)
+    comp = w[w.warp.str.startswith("w")].copy()
+    comp["sp"] = comp.warp.str[1:].astype(int) % 4
+    last = comp.pivot_table(index=["batch", "variant", "item"], columns="sp", values="computed", aggfunc="max")
+    last.columns = [f"sp{c}" for c in last.columns]
+    count = comp.pivot_table(index=["batch", "variant", "item"], columns="sp", values="computed", aggfunc="count")
+    last["warps_per_sp"] = count.astype(int).astype(str).agg("/".join, axis=1)
+    out = last.reset_index()
+    epi = w[w.warp == "epi"][["batch", "variant", "item", "began", "ended"]]
+    return out.merge(epi, on=["batch", "variant", "item"], how="left").rename(
+        columns={"began": "epi_began", "ended": "epi_ended"})

@@ -42,7 +42,7 @@ def test_per_warp_checkpoints_are_named_and_summarised_from_the_item_arrival():
     import pandas as pd
 
     from kimi_decode.kernels.moe_pipe import TRACE_BUF, TRACE_SLOTS, WARP_TRACE_EPI, warp_trace_name, warp_trace_slot
-    from kimi_decode.moe_trace import trace_rows, warp_item_summary
+    from kimi_decode.moe_trace import sub_partition_summary, trace_rows, warp_item_summary
     assert warp_trace_slot(0, 0, 0) == TRACE_SLOTS and warp_trace_slot(3, WARP_TRACE_EPI, 1) == TRACE_BUF - 1
     assert warp_trace_name(warp_trace_slot(1, 5, 1)) == "item1_w5_computed"
     assert warp_trace_name(warp_trace_slot(2, WARP_TRACE_EPI, 0)) == "item2_epi_began"
@@ -65,6 +65,8 @@ def test_per_warp_checkpoints_are_named_and_summarised_from_the_item_arrival():
     s = warp_item_summary(df).set_index("warp")
     assert (s.loc["w0", "waited"], s.loc["w0", "computed"], s.loc["w1", "computed"]) == (50, 905, 1005)
     assert (s.loc["epi", "began"], s.loc["epi", "ended"]) == (1200, 1500)
+    sp = sub_partition_summary(df).iloc[0]  # warps 0 and 1: sub-partitions 0 and 1, one warp each
+    assert (sp.sp0, sp.sp1, sp.warps_per_sp, sp.epi_began, sp.epi_ended) == (905, 1005, "1/1", 1200, 1500)
     with pytest.raises(ValueError, match="per-warp"):
         warp_item_summary(df[~df.checkpoint.str.contains("_w|_epi")])
 
