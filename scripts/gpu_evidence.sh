@@ -41,8 +41,8 @@ stage_cmd() {
     moe-breakdown-items) echo "$KD moe --breakdown --executors fused,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_items_h200_tp8.csv" ;;
     fused-variant-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match'" ;;
     moe-warps) echo "$KD moe --executors stock,fused,fused@upw16,fused@run24 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_warps_h200_tp8.csv" ;;
-    moe-bal) echo "$KD moe --executors stock,fused,fused@bal0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_bal_h200_tp8.csv" ;;
-    moe-breakdown-bal) echo "$KD moe --breakdown --executors fused,fused@bal0 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_bal_h200_tp8.csv" ;;
+    moe-bal) echo "$KD moe --executors stock,fused,fused@bal --tps 8 --batches 1,2,8 --no-progress --out $M/moe_bal_h200_tp8.csv" ;;
+    moe-breakdown-bal) echo "$KD moe --breakdown --executors fused,fused@bal --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_bal_h200_tp8.csv" ;;
     trace-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_moe_trace.py" ;;
     moe-breakdown-run24) echo "$KD moe --breakdown --executors fused,fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run24_h200_tp8.csv" ;;
     moe-trace-run24) echo "$KD moe --trace --executors fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_run24_h200_tp8.csv.xz" ;;

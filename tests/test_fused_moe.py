@@ -262,7 +262,7 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
                                                    pad_rows=False),
                                               dict(prologue=False, producer_warp=False, swap_shared=False,
                                                    late_trigger=False, decode=1, ksplit=1))
-    assert kp.parse_pipe_variant("run20") == (dict(decode=1, pad_rows=False, balance=False),
+    assert kp.parse_pipe_variant("run20") == (dict(decode=1, pad_rows=False),
                                               dict(late_trigger=False, decode=1, ksplit=1))
     # run17 is expanded where it stands: what follows it changes it
     assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
@@ -318,7 +318,7 @@ def test_spread_decode_and_z_last_options_compile(compiler):
     def count(key, what):
         return len(re.findall(re.escape(what), kc.ptx_text(key)))
 
-    up, dec3_up = kp.MoEUpPipeKey(s, decode=2, balance=False), kp.MoEUpPipeKey(s, balance=False)  # run 24's decode
+    up, dec3_up = kp.MoEUpPipeKey(s, decode=2), kp.MoEUpPipeKey(s)  # the run-24 decode; dec3 is the default
     down, dec3_down = kp.MoEDownPipeKey(s, decode=2), kp.MoEDownPipeKey(s)
     assert (dec3_up.decode, dec3_down.decode) == (3, 3)
     u, d = kp.parse_pipe_variant("run24")
@@ -327,7 +327,7 @@ def test_spread_decode_and_z_last_options_compile(compiler):
         assert count(a, "mul.lo.u32") == 0 < count(b, "mul.lo.u32")
         assert count(b, "shl.b32") < count(a, "shl.b32")
         assert count(b, "mma.sync") == count(a, "mma.sync") and count(b, "mul.rn.bf16x2") == count(a, "mul.rn.bf16x2")
-    zl = kp.MoEUpPipeKey(s, z_last=True, balance=False)
+    zl = kp.MoEUpPipeKey(s, z_last=True)
     assert count(zl, "mma.sync") == count(dec3_up, "mma.sync")
     for key in (dec3_up, dec3_down, zl):
         assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
@@ -355,16 +355,15 @@ def test_sixteen_up_warps_balance_the_sub_partitions(compiler):
     up = kp.MoEUpPipeKey(s, **u)
     assert up.warps == 16 and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "upw16"
     ptx = kc.ptx_text(up)
-    assert len(re.findall(r"mma\.sync", ptx)) == len(re.findall(r"mma\.sync",
-                                                                 kc.ptx_text(kp.MoEUpPipeKey(s, balance=False))))
+    assert len(re.findall(r"mma\.sync", ptx)) == len(re.findall(r"mma\.sync", kc.ptx_text(kp.MoEUpPipeKey(s))))
     assert kc.resource_usage(up)["STACK"] == 0 and kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET
 
 
 def test_balanced_halves_cover_each_row_once_with_equal_sub_partitions(compiler):
-    """bal (the default where it applies): 14 compute warps take consecutive runs of a row's 56 half super-blocks (UP_BALANCED_HALVES), every half
+    """bal (an option, off: slower, run 28): 14 compute warps take consecutive runs of a row's 56 half super-blocks (UP_BALANCED_HALVES), every half
     once; sub-partitions 0, 1 and 3 get 15, 15 and 14 halves, 2 (beside the epilogue warp) 12; 5 halves of 4 mma
-    at most per warp; bal0 turns it off (whole super-blocks, 2 per warp); refused with other warp counts or without
-    the epilogue warp; no spill."""
+    at most per warp (the default: whole super-blocks, 2 per warp); refused with other warp counts or without the
+    epilogue warp; no spill."""
     import re
 
     from kimi_decode import compile as kc
@@ -374,12 +373,12 @@ def test_balanced_halves_cover_each_row_once_with_equal_sub_partitions(compiler)
     halves = kp.UP_BALANCED_HALVES
     assert len(halves) == kp.MoEUpPipeKey.warps and sum(halves) == 2 * (kp.L // kp.SB)
     assert [sum(h for w, h in enumerate(halves) if w % 4 == p) for p in range(4)] == [15, 15, 12, 14]
-    up = kp.MoEUpPipeKey(s)  # the default since run 28, wherever it applies
-    assert up.balanced and not kp.MoEUpPipeKey(s, warps=16).balanced and not kp.MoEUpPipeKey(s, epilogue_warp=False).balanced
-    u, d = kp.parse_pipe_variant("bal0")
-    whole = kp.MoEUpPipeKey(s, **u)
-    assert not whole.balanced and kp.pipe_variant_name(whole, kp.MoEDownPipeKey(s, **d)) == "bal0"
-    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, warps=28, balance=False), None) == "upw28"  # bal0 goes without saying
+    u, d = kp.parse_pipe_variant("bal")
+    up, whole = kp.MoEUpPipeKey(s, **u), kp.MoEUpPipeKey(s)  # off by default: measured slower (run 28)
+    assert up.balanced and not whole.balanced and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "bal"
+    for bad in ("bal-upw16", "bal-epi0"):
+        with pytest.raises(ValueError, match="bal deals"):
+            kp.parse_pipe_variant(bad)
     with pytest.raises(ValueError, match="balance deals"):
         _ = kp.MoEUpPipeKey(s, warps=16, balance=True).balanced
     assert len(re.findall(r"mma\.sync", kc.ptx_text(up))) == 4 * max(halves)
@@ -407,7 +406,7 @@ def test_prologue_and_extra_warp_options_compile(compiler):
     assert count(pro_up, "cp.async.bulk.shared") > count(base_up, "cp.async.bulk.shared")
     assert count(pro_down, "cp.async.bulk.shared") > count(base_down, "cp.async.bulk.shared")
     assert count(pro_down, "ld.global") < count(base_down, "ld.global")
-    epi = kp.MoEUpPipeKey(s, prologue=False, early_slots=1, balance=False)
+    epi = kp.MoEUpPipeKey(s, prologue=False, early_slots=1)
     prod = kp.MoEDownPipeKey(s, prologue=False, swap_shared=False)
     assert count(epi, "mma.sync") == count(base_up, "mma.sync")
     assert count(prod, "mma.sync") == count(base_down, "mma.sync")
@@ -700,17 +699,17 @@ def test_item_rate_options(compiler):
     def count(key, what):
         return len(re.findall(re.escape(what), kc.ptx_text(key)))
 
-    base_up = kp.MoEUpPipeKey(s, decode=1, pad_rows=False, balance=False)  # the run-20 kernels
+    base_up = kp.MoEUpPipeKey(s, decode=1, pad_rows=False)  # the run-20 kernels
     base_down = kp.MoEDownPipeKey(s, decode=1, ksplit=1, late_trigger=False)
     down = kp.MoEDownPipeKey(s)
     assert count(up, "mma.sync") * 2 == count(base_up, "mma.sync")  # one super-block per warp instead of two
     assert count(down, "mma.sync") == count(base_down, "mma.sync")  # the two K halves' code paths
     assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+2,", kc.ptx_text(down))  # the K halves meet on barrier 2
-    pad = kp.MoEUpPipeKey(s, decode=1, balance=False)  # a bulk copy per ring row: 8 each for W1 and W3 instead of 1
+    pad = kp.MoEUpPipeKey(s, decode=1)  # a bulk copy per ring row: 8 each for W1 and W3 instead of 1
     extra = count(pad, "cp.async.bulk.shared") - count(base_up, "cp.async.bulk.shared")  # 14 more at each issue site
     assert extra > 0 and extra % (2 * kp.RB_UP - 2) == 0
     assert kp.up_pipe_smem_bytes(pad) == kp.up_pipe_smem_bytes(base_up) + base_up.stages * 2 * kp.RB_UP * kp.UP_ROW_PAD * 4
-    dec = kp.MoEUpPipeKey(s, pad_rows=False, balance=False)
+    dec = kp.MoEUpPipeKey(s, pad_rows=False)
     assert count(dec, "shr.b32") < count(base_up, "shr.b32") and count(dec, "mma.sync") == count(base_up, "mma.sync")
     for key in (up, down, dec, pad):
         assert kc.resource_usage(key)["STACK"] == 0, key

@@ -112,18 +112,18 @@ class MoEUpPipeKey:
     # holds) and dealt so that the four sub-partitions (warps w = s mod 4) do equal work: UP_BALANCED_HALVES. With
     # two super-blocks per warp, sub-partitions 0 and 1 (four compute warps each) have 8 and finish about 550
     # cycles after sub-partition 3 (three warps, 6), sub-partition 2 has 6 and the epilogue warp (run 27's
-    # per-warp timeline). None: on wherever it applies (14 compute warps and the epilogue warp); False: off
-    balance: bool | None = None
+    # per-warp timeline). Measured slower (run 28: batch 8 234.2 µs against 224.9, batch 1 within the spread): a
+    # half costs about 180 cycles on a sub-partition against about 120 as half of a whole super-block
+    balance: bool = False
     arch: str = "sm_90a"
 
     @property
     def balanced(self) -> bool:
-        """Whether the build deals half super-blocks ('bal'): `balance`, or where it is None, whether it applies."""
-        possible = self.warps == len(UP_BALANCED_HALVES) and self.epilogue_warp
-        if self.balance and not possible:
+        """Whether the build deals half super-blocks ('bal'); refused where it does not apply."""
+        if self.balance and not (self.warps == len(UP_BALANCED_HALVES) and self.epilogue_warp):
             raise ValueError(f"balance deals half super-blocks over {len(UP_BALANCED_HALVES)} compute warps and the "
                              f"epilogue warp: not with warps={self.warps}, epilogue_warp={self.epilogue_warp}")
-        return possible if self.balance is None else self.balance
+        return self.balance
 
 
 # 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
@@ -1201,18 +1201,18 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 
 # earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
-RUN20 = "dec1-pad0-bal0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
+RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
 RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
-RUN24 = "dec2-bal0"  # the run-24 kernels (the defaults from run 24 to run 26)
+RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
-# last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (slower, run 27) and with whole super-blocks
-# per warp (bal0, the kernels before run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (slower, run 27) and its half super-blocks
+# dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal0")
-TRACE_VARIANTS = ("run20", "run24", "bal0")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal")
+TRACE_VARIANTS = ("run20", "run24", "bal")  # variants with a timeline build besides the defaults
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1225,8 +1225,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
     compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
     zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off], bal (moe_up
-    deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; only bal0 is
-    spelled) [on where it applies: 14 compute warps and the epilogue warp],
+    deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; 14 compute warps
+    and the epilogue warp only) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1275,8 +1275,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["pad_rows"] = m.group(1) != "0"
         elif m := re.fullmatch(r"zlast([01]?)", tok):
             up["z_last"] = m.group(1) != "0"
-        elif tok == "bal0":
-            up["balance"] = False
+        elif m := re.fullmatch(r"bal([01]?)", tok):
+            up["balance"] = m.group(1) != "0"
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
@@ -1285,13 +1285,17 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
-                             f"slots and requests the others first), bal0 (moe_up's super-blocks dealt whole, not in "
-                             f"halves that even out its sub-partitions), pf0/pf1 (moe_up "
+                             f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
+                             f"even out its sub-partitions), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
+    if up.get("balance") and (up.get("warps", MoEUpPipeKey.warps) != len(UP_BALANCED_HALVES)
+                              or not up.get("epilogue_warp", MoEUpPipeKey.epilogue_warp)):
+        raise ValueError(f"bal deals moe_up's half super-blocks over {len(UP_BALANCED_HALVES)} compute warps and the "
+                         f"epilogue warp: it cannot go with upwN or epi0; got {text!r}")
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
                          f"with pro0; got {text!r}")
@@ -1320,8 +1324,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("pad" if up.pad_rows else "pad0")
     if up.z_last != MoEUpPipeKey.z_last:
         parts.append("zlast" if up.z_last else "zlast0")
-    if up.balance is False and up.warps == len(UP_BALANCED_HALVES) and up.epilogue_warp:
-        parts.append("bal0")
+    if up.balance:
+        parts.append("bal")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
