@@ -441,3 +441,47 @@ def plot_stall_hotspots(page, top: int = 10, ax=None, title: str | None = None):
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     return ax
+
+
+def plot_item_warps(df, batch: int = 1, item: int = 2, ax=None, title: str | None = None):
+    """One moe_up item, warp by warp (`moe_trace.warp_item_summary` of a timeline with per-warp checkpoints):
+    a bar per compute warp from getting past the slot's mbarrier to having stored its K partials, coloured by the
+    SM sub-partition it runs on (w mod 4), and the reducing warp's span; cycles from the slot's arrival, medians
+    over CTAs and layer copies. The item ends when its slowest sub-partition does."""
+    from .moe_trace import warp_item_summary
+
+    w = warp_item_summary(df)
+    w = w[(w.batch == batch) & (w["item"] == item)]
+    if w.empty:
+        raise ValueError(f"no per-warp checkpoints for batch {batch}, item {item}")
+    if w.variant.nunique() > 1:
+        raise ValueError(f"the trace holds several variants ({sorted(w.variant.unique())}): pass one")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 5))
+    comp = w[w.warp.str.startswith("w")].copy()
+    comp["n"] = comp.warp.str[1:].astype(int)
+    comp = comp.sort_values(["n"])
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = []
+    for y, r in enumerate(comp.itertuples()):
+        sp = r.n % 4
+        ax.barh(y, r.computed - r.waited, left=r.waited, color=colors[sp], height=0.7,
+                label=f"sub-partition {sp}" if sp not in labels else None)
+        labels.append(sp)
+    epi = w[w.warp == "epi"]
+    ticks = [f"warp {n}" for n in comp.n]
+    if not epi.empty:
+        e = epi.iloc[0]
+        ax.barh(len(comp), e.ended - e.began, left=e.began, color="0.5", height=0.7,
+                label="reducing warp (this item's partials)")
+        ticks.append("reducer")
+    ax.set_yticks(range(len(ticks)), ticks)
+    ax.invert_yaxis()
+    ax.set_xlabel("cycles from the item's slot arrival (%clock64, median over CTAs and copies)")
+    v = w.variant.iloc[0] or "default kernels"
+    ax.set_title(title or f"moe_up item {item} warp by warp, batch {batch} ({v})")
+    end = max([float(comp.computed.max())] + ([float(epi.ended.max())] if not epi.empty else []))
+    ax.set_xlim(0, end * 1.4)  # room on the right for the legend
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    return ax

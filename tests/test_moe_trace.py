@@ -169,3 +169,31 @@ def test_trace_plot_draws_one_line_per_cta_and_refuses_a_missing_batch():
     assert "80.0 µs" in ax.get_title()
     with pytest.raises(ValueError, match="batch 8"):
         plot_moe_trace(df, batch=8)
+
+
+def test_item_warp_plot_draws_a_bar_per_warp_and_the_reducer_and_refuses_a_missing_item():
+    import matplotlib
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from kimi_decode.kernels.moe_pipe import WARP_TRACE_EPI, warp_trace_slot
+    from kimi_decode.moe_trace import trace_rows
+    from kimi_decode.plots import plot_item_warps
+    ex = _FakeTraced(ctas=1)
+    ex.trace_up[0, 0, 0] = 1000
+    ex.trace_up[0, 0, 4], ex.trace_up[0, 1, 4] = 2000, 10_000  # item0_arrived
+    for warp in range(5):
+        for k, dclk in ((0, 20), (1, 800 + 100 * (warp % 4 < 2))):
+            c = warp_trace_slot(0, warp, k)
+            ex.trace_up[0, 0, c], ex.trace_up[0, 1, c] = 2000 + dclk, 10_000 + dclk
+    for k, dclk in ((0, 1000), (1, 1600)):
+        c = warp_trace_slot(0, WARP_TRACE_EPI, k)
+        ex.trace_up[0, 0, c], ex.trace_up[0, 1, c] = 2000 + dclk, 10_000 + dclk
+    df = pd.DataFrame([dict(r, batch=1, variant="") for r in trace_rows(ex, copy=0)])
+    ax = plot_item_warps(df, batch=1, item=0)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"warp {n}" for n in range(5)] + ["reducer"]
+    assert len(ax.patches) == 6 and ax.patches[0].get_width() == 880 and ax.patches[-1].get_x() == 1000
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {
+        "sub-partition 0", "sub-partition 1", "sub-partition 2", "sub-partition 3", "reducing warp (this item's partials)"}
+    with pytest.raises(ValueError, match="item 3"):
+        plot_item_warps(df, batch=1, item=3)
