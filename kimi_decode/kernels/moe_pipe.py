@@ -385,12 +385,17 @@ def build_up_pipe(key: MoEUpPipeKey):
             store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
         return s_meta[0]
 
-    def up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t):
-        """(traced inline) a lane's share of super-block sb of the slot's W1 and W3 rows g (A rows g, g + 8)."""
+    def up_operands(gW, ring_s, slot, g, c, sb):
+        """(traced inline) a lane's 4 code words of super-block sb in the slot's W1 and W3 rows g, and their scale
+        pairs."""
         a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
         a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
-        sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
-        sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
+        return (a1, a3, scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c])),
+                scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c])))
+
+    def up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t):
+        """(traced inline) a lane's share of super-block sb of the slot's W1 and W3 rows g (A rows g, g + 8)."""
+        a1, a3, sc1, sc3 = up_operands(gW, ring_s, slot, g, c, sb)
         return superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode)
 
     def up_half(acc, gW, ring_s, gZ, slot, g, c, h, t):
@@ -398,12 +403,9 @@ def build_up_pipe(key: MoEUpPipeKey):
         super-block h // 2) of the slot's W1 and W3 rows g."""
         sb = h // 2
         hi = (h - 2 * sb) == 1
-        a1 = gW[(None, (slot, 0, g, 4 * sb + c))].load()
-        a3 = gW[(None, (slot, 1, g, 4 * sb + c))].load()
+        a1, a3, sc1, sc3 = up_operands(gW, ring_s, slot, g, c, sb)
         w1 = [Int32(cutlass.select_(hi, a1[2 + k], a1[k])) for k in range(2)]
         w3 = [Int32(cutlass.select_(hi, a3[2 + k], a3[k])) for k in range(2)]
-        sc1 = scale_pair(Int32(ring_s[slot, 0, g, 4 * sb + c]))
-        sc3 = scale_pair(Int32(ring_s[slot, 1, g, 4 * sb + c]))
         return superblock_mma(acc, w1, w3, sc1, sc3, gZ, t, 16 * sb + 4 * c + 2 * (h - 2 * sb), key.decode, (0, 2))
 
     @cute.kernel
@@ -1215,6 +1217,12 @@ AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "af
 TRACE_VARIANTS = ("run20", "run24", "bal")  # variants with a timeline build besides the defaults
 
 
+# the on/off options of parse_pipe_variant: token -> (kernel, key field)
+_SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
+             "zlast": ("up", "z_last"), "bal": ("up", "balance"), "prod": ("down", "producer_warp"),
+             "swap": ("down", "swap_shared"), "late": ("down", "late_trigger"), "aflush": ("down", "async_flush")}
+
+
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
@@ -1244,8 +1252,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             i = toks.index(alias)
             toks = toks[:i] + spelled.split("-") + toks[i + 1:]
     for tok in toks:
-        if m := re.fullmatch(r"pf([01]?)", tok):
-            up["prefetch_down"] = m.group(1) != "0"
+        if (m := re.fullmatch(r"([a-z]+?)([01]?)", tok)) and m.group(1) in _SWITCHES:  # X, X1 on; X0 off
+            side, field = _SWITCHES[m.group(1)]
+            (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
         elif tok == "contig":
@@ -1255,28 +1264,12 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
         elif m := re.fullmatch(r"(up|down)?pro([01]?)", tok):
             for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
                 side["prologue"] = m.group(2) != "0"
-        elif m := re.fullmatch(r"epi([01]?)", tok):
-            up["epilogue_warp"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"prod([01]?)", tok):
-            down["producer_warp"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"swap([01]?)", tok):
-            down["swap_shared"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"late([01]?)", tok):
-            down["late_trigger"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"aflush([01]?)", tok):
-            down["async_flush"] = m.group(1) != "0"
         elif m := re.fullmatch(r"dec([123])", tok):
             up["decode"] = down["decode"] = int(m.group(1))
         elif (m := re.fullmatch(r"upw(\d+)", tok)) and int(m.group(1)) in UP_WARPS:
             up["warps"] = int(m.group(1))
         elif m := re.fullmatch(r"downk([12])", tok):
             down["ksplit"] = int(m.group(1))
-        elif m := re.fullmatch(r"pad([01]?)", tok):
-            up["pad_rows"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"zlast([01]?)", tok):
-            up["z_last"] = m.group(1) != "0"
-        elif m := re.fullmatch(r"bal([01]?)", tok):
-            up["balance"] = m.group(1) != "0"
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
