@@ -713,3 +713,58 @@ def test_item_rate_options(compiler):
     assert count(dec, "shr.b32") < count(base_up, "shr.b32") and count(dec, "mma.sync") == count(base_up, "mma.sync")
     for key in (up, down, dec, pad):
         assert kc.resource_usage(key)["STACK"] == 0, key
+
+
+def test_fp8_mma_option_compiles_and_what_sm90_makes_of_it(compiler):
+    """f8 (an option, off): moe_up on mma.sync m16n8k32 e4m3 (one tile up to 4 tokens, two above: 2 super-blocks ×
+    4 groups × (1 + 2) mma per warp), the codes placed as E4M3 without packed multiplies, z staged as e4m3 hi/lo
+    with cvt, every row scaled once per group by FFMA; it needs the merged prologue and whole super-blocks. ptxas
+    for sm_90a has no fp8 mma.sync: each becomes two f16 HMMA.16816 after F2FP unpacks of A and B (the measured
+    reason this option cannot beat the bf16 path's instruction count). No spill; the shared memory fits."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("f8")
+    up = kp.MoEUpPipeKey(s, **u)
+    assert up.fp8 and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "f8"
+    assert up.row_pad == kp.UP_ROW_PAD_F8 and kp.MoEUpPipeKey(s).row_pad == kp.UP_ROW_PAD
+    for bad in ("f8-pro0", "f8-bal"):
+        with pytest.raises(ValueError, match="f8"):
+            kp.parse_pipe_variant(bad)
+    ptx = kc.ptx_text(up)
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3", ptx)) == 2 * 4 * 3
+    assert "mul.rn.bf16x2" not in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    sass = kc._cuobjdump_of(up, "-sass")
+    assert len(re.findall(r"HMMA\.16816\.F32 ", sass)) == 2 * 2 * 4 * 3
+    assert "F2FP.F16.E4M3.UNPACK_B" in sass
+    res = kc.resource_usage(up)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0
+    assert kp.up_pipe_smem_bytes(up) + res["SHARED"] <= 227 * 1024
+
+
+def test_paired_extras_split_covers_every_item_once(compiler):
+    """pair (an option, off): moe_down's balanced split gives the expert extras to CTAs 0..R_e - 1 and the shared
+    extras to the CTAs after them, so that no CTA takes both while another takes neither (batch 1: at most 7 items
+    a CTA instead of 8); the split (`paired_split`, which the kernel mirrors) covers each item once; no spill."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    G = kp.MoEDownPipeKey(s).ctas
+    for ne, nsh in ((448, 448), (3052, 448), (896, 448), (28, 224), (0, 448)):
+        runs = [kp.paired_split(bx, ne, nsh, G) for bx in range(G)]
+        e = sorted(r[0] for r in runs)
+        sh = sorted(r[1] for r in runs)
+        for spans, total in ((e, ne), (sh, nsh)):
+            assert spans[0][0] == 0 and spans[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        both = sum(1 for (a, b) in runs if a[1] - a[0] > ne // G and b[1] - b[0] > nsh // G)
+        assert both == max(0, ne % G + nsh % G - G), (ne, nsh, both)
+    assert max(sum(r[1] - r[0] for r in kp.paired_split(bx, 448, 448, G)) for bx in range(G)) == 7
+    u, d = kp.parse_pipe_variant("pair")
+    down = kp.MoEDownPipeKey(s, **d)
+    assert down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "pair"
+    assert kc.resource_usage(down)["STACK"] == 0

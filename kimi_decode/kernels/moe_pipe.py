@@ -115,6 +115,14 @@ class MoEUpPipeKey:
     # per-warp timeline). Measured slower (run 28: batch 8 234.2 µs against 224.9, batch 1 within the spread): a
     # half costs about 180 cycles on a sub-partition against about 120 as half of a whole super-block
     balance: bool = False
+    # 'f8' (with the merged prologue, whole super-blocks): fp8 mma.sync m16n8k32 instead of bf16 m16n8k16. A code
+    # word becomes 8 E4M3 A values by placing bits (`mxfp4_decode.decode_e4m3`: 2 shifts and 4 masks instead of 13
+    # integer ops and 4 packed multiplies); the quad of lanes holding a row's 32 k of one mma holds one 32-code
+    # scale group, so the mma runs from a zero accumulator and its result is scaled per row by 2^(s - 121) (FFMA).
+    # Each token is two B columns: z times a per-token power of two (its largest |z| in [128, 256)) split into
+    # e4m3 hi = rn(z) and lo = rn(z - hi), whose sum is closer to z than bf16 (about 8 significant bits against
+    # 8, with two roundings: tests/test_mxfp4.py). Up to 4 tokens take one n8 tile, 5 to 8 two
+    fp8: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -125,6 +133,14 @@ class MoEUpPipeKey:
                              f"epilogue warp: not with warps={self.warps}, epilogue_warp={self.epilogue_warp}")
         return self.balance
 
+    @property
+    def row_pad(self) -> int:
+        """Words of padding after each ring row: 'f8' reads one word per lane (rows 4 banks apart), the bf16 path a
+        quarter warp's 16-byte loads (UP_ROW_PAD)."""
+        if not self.pad_rows:
+            return 0
+        return UP_ROW_PAD_F8 if self.fp8 else UP_ROW_PAD
+
 
 # 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
 # epilogue warp) 12, 3 14: of a row's 56 halves, warp w takes the UP_BALANCED_HALVES[w] after those of warps < w
@@ -132,6 +148,8 @@ UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
+UP_ROW_PAD_F8 = 4  # with 'f8' lane (g, c) reads one word of row g: rows 452 words apart put it on bank 4g + c
+F8_COL_PAD = 8  # words after each of 'f8''s B columns (2 per token): lane (g, c)'s 8-byte load on bank 8g + 2c
 
 
 _RING_INIT = None
@@ -257,18 +275,24 @@ def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0, decode=1, bbs=(0, 4)):
 SMEM_BUDGET = 227 * 1024 - 2048  # dynamic shared memory a CTA may take on the H200, less static and slack
 
 
-def _up_stage_bytes(shape: MoEShape, pad: bool = False) -> int:
-    return RB_UP * (L // 8 + (UP_ROW_PAD if pad else 0)) * 4 * 2 + RB_UP * (L // 32) * 2
+def _up_stage_bytes(shape: MoEShape, pad_words: int = 0) -> int:
+    return RB_UP * (L // 8 + pad_words) * 4 * 2 + RB_UP * (L // 32) * 2
+
+
+def _f8_col_words() -> int:
+    """Words of one 'f8' B column (a token's hi or lo codes, 2 words per 8 codes) and its padding."""
+    return L // 4 + F8_COL_PAD
 
 
 def _up_fixed_bytes(key) -> int:
     tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
-    return PIPE_MAX_M * L * 2 + tables + key.warps * 32 * 4 * 4 + 512
+    z = 2 * PIPE_MAX_M * _f8_col_words() * 4 + PIPE_MAX_M * 4 if getattr(key, "fp8", False) else PIPE_MAX_M * L * 2
+    return z + tables + key.warps * 32 * 4 * 4 + 512
 
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
     extra = (64 if key.prologue else 0) + (key.warps * 32 * 4 * 4 if key.epilogue_warp else 0)
-    return key.stages * (_up_stage_bytes(key.shape, key.pad_rows) + 8) + _up_fixed_bytes(key) + extra
+    return key.stages * (_up_stage_bytes(key.shape, key.row_pad) + 8) + _up_fixed_bytes(key) + extra
 
 
 def build_up_pipe(key: MoEUpPipeKey):
@@ -298,7 +322,12 @@ def build_up_pipe(key: MoEUpPipeKey):
     NRB = I // RB_UP
     W_BYTES = RB_UP * WROW * 4
     PAD = key.pad_rows
-    WROWP = WROW + (UP_ROW_PAD if PAD else 0)  # words from one ring row to the next
+    F8 = key.fp8
+    assert not F8 or (PRO and not BAL and NSB % WARPS == 0), \
+        "f8 stages z in the merged prologue and gives every compute warp the same number of whole super-blocks"
+    PADW = key.row_pad
+    WROWP = WROW + PADW  # words from one ring row to the next
+    CW = _f8_col_words()  # 'f8': words per B column
     WS_BYTES = RB_UP * WROWP * 4  # a slot's W1 (or W3) rows in shared memory
     S_BYTES = RB_UP * SROW
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
@@ -314,7 +343,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     SLOT_W = 2 * WS_BYTES  # bytes of a slot's W1 and W3 rows: z (fp32) fills whole slots from the ring's end
     assert PRO or not ZL, "z_last stages z in the ring: it needs the merged prologue"
     for m_ in range(1, MXT + 1):  # the last slot's last row has no padding after it: z must end before it
-        assert -(-m_ * L * 4 // SLOT_W) * SLOT_W - (UP_ROW_PAD * 4 if PAD else 0) >= m_ * L * 4
+        assert -(-m_ * L * 4 // SLOT_W) * SLOT_W - PADW * 4 >= m_ * L * 4
     if PRO:
         assert EARLY == 0, "the merged prologue stages z in the ring: no slot may be requested before it"
         assert ST * 2 * W_BYTES >= MXT * L * 4, "the ring must hold PIPE_MAX_M tokens' fp32 z"
@@ -352,7 +381,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                           s_tok: cute.Tensor, ring_w: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor,
                           mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32,
                           mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, bars: cute.Tensor,
-                          w_base, s_base, nz):
+                          w_base, s_base, nz, s_zsc: cute.Tensor):
         """(all threads, inlined; 'pro') thread 0 bulk-copies meta, the routing tables and every token's z row
         (fp32, into the idle ring: its first slots, or with 'zlast' its last `nz`) on one mbarrier; meanwhile the
         shared experts' SiTU and the zeroing; with 'zlast' thread 0 then requests the slots before z's; then z
@@ -377,13 +406,89 @@ def build_up_pipe(key: MoEUpPipeKey):
         zf = cute.make_tensor(cute.recast_ptr(zbase, dtype=Float32),
                               cute.make_layout((MXT, L), stride=(L, 1)))
         gS = cute.zipped_divide(zf, (1, 4))
+        if const_expr(F8):
+            stage_z_f8(gS, sz, s_zsc, M, tid)
+        else:
+            for idx in cutlass.range(tid, M * (L // 8), THREADS):
+                t = idx // (L // 8)
+                o = idx - t * (L // 8)
+                z0 = gS[(None, (t, 2 * o))].load()
+                z1 = gS[(None, (t, 2 * o + 1))].load()
+                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+        return s_meta[0]
+
+    @cute.jit
+    def stage_z_f8(gS: cute.Tensor, sz: cute.Tensor, s_zsc: cute.Tensor, M: Int32, tid: Int32):
+        """(all threads, traced inline; 'f8') warp t < M finds token t's largest |z| and the power of two 2^k that
+        puts it in [128, 256) (s_zsc[t] = 2^-k, s_zsc[MXT + t] = 2^k); after a CTA barrier every 8 codes of z
+        times 2^-k become e4m3 hi and lo words in B columns 2t and 2t + 1 (`ptx_ops.e4m3_hilo`): word 2w holds
+        codes 8w + 0, 2, 4, 6 and word 2w + 1 codes 8w + 1, 3, 5, 7, the k order of `decode_e4m3`'s A values."""
+        from .ptx_ops import as_f32, e4m3_hilo, f32_bits
+
+        w_, ln = tid // 32, tid % 32
+        if w_ < M:
+            mx = Float32(0.0)
+            for j in cutlass.range_constexpr(L // 128):
+                v = gS[(None, (w_, 32 * j + ln))].load()
+                for k in cutlass.range_constexpr(4):
+                    mx = cute.arch.fmax(mx, cute.arch.fmax(v[k], -v[k]))
+            for o_ in cutlass.range_constexpr(5):
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> o_))
+            if ln == 0:
+                e = cutlass.max(cutlass.min(f32_bits()(mx) >> 23, Int32(254)), Int32(8))  # biased exponent of |z|max
+                s_zsc[w_] = as_f32()((Int32(261) - e) << 23)
+                s_zsc[MXT + w_] = as_f32()((e - Int32(7)) << 23)
+        cute.arch.barrier()
+        hilo = e4m3_hilo()
         for idx in cutlass.range(tid, M * (L // 8), THREADS):
             t = idx // (L // 8)
             o = idx - t * (L // 8)
             z0 = gS[(None, (t, 2 * o))].load()
             z1 = gS[(None, (t, 2 * o + 1))].load()
-            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
-        return s_meta[0]
+            q = hilo([z0[k] for k in range(4)] + [z1[k] for k in range(4)], s_zsc[t])
+            sz[2 * t, 2 * o] = q[0]
+            sz[2 * t, 2 * o + 1] = q[1]
+            sz[2 * t + 1, 2 * o] = q[2]
+            sz[2 * t + 1, 2 * o + 1] = q[3]
+
+    def f8_superblock(accs, ring_w, ring_s32, gB, slot, g, c, sb, cols):
+        """(traced inline; 'f8') a lane's share of super-block sb of the slot's W1 and W3 rows g: per 32-code group
+        one word of each row (the quad's 4 lanes hold the group), decoded to E4M3 (`decode_e4m3`), one mma
+        m16n8k32 per B tile (`cols`: this lane's B column per tile) from a zero accumulator, scaled per row by its
+        group's 2^(s - 121) into `accs` (per tile: gate hi, gate lo, up hi, up lo)."""
+        from .mxfp4_decode import E4M3_SCALE_SHIFT, decode_e4m3
+        from .ptx_ops import as_f32, mma_e4m3
+
+        dec, mma, asf = decode_e4m3(), mma_e4m3(), as_f32()
+        bias = E4M3_SCALE_SHIFT * 0x01010101  # every scale byte + 6: no carry (bytes <= MAX_E8M0)
+        s1 = Int32(ring_s32[slot, 0, g, sb]) + bias
+        s3 = Int32(ring_s32[slot, 1, g, sb]) + bias
+        for grp in range(4):
+            w = 16 * sb + 4 * grp + c
+            e1, o1 = dec(ring_w[slot, 0, g, w])
+            e3, o3 = dec(ring_w[slot, 1, g, w])
+            f1 = asf(((s1 >> (8 * grp)) & 0xFF) << 23)
+            f3 = asf(((s3 >> (8 * grp)) & 0xFF) << 23)
+            for ti in range(len(cols)):
+                b = gB[(None, (cols[ti], w))].load()
+                d = mma([e1, e3, o1, o3], [b[0], b[1]])
+                a = accs[ti]
+                accs[ti] = [a[0] + d[0] * f1, a[1] + d[1] * f1, a[2] + d[2] * f3, a[3] + d[3] * f3]
+        return accs
+
+    def f8_item(ring_w, ring_s32, gB, slot, g, c, warp, cols):
+        """(traced inline; 'f8') a warp's super-blocks of the slot's rows: per lane (gate, up) of the token in column
+        pair c of each tile (hi + lo), 0 for a tile not taken."""
+        out = []
+        for ti in range(len(cols)):
+            out.append([Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)])
+        for q in range(NSB // WARPS):
+            out = f8_superblock(out, ring_w, ring_s32, gB, slot, g, c, warp + WARPS * q, cols)
+        v = [out[0][0] + out[0][1], out[0][2] + out[0][3], Float32(0.0), Float32(0.0)]
+        if len(cols) > 1:
+            v[2] = out[1][0] + out[1][1]
+            v[3] = out[1][2] + out[1][3]
+        return v
 
     def up_operands(gW, ring_s, slot, g, c, sb):
         """(traced inline) a lane's 4 code words of super-block sb in the slot's W1 and W3 rows g, and their scale
@@ -426,8 +531,15 @@ def build_up_pipe(key: MoEUpPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
-        # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
-        sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(L // 2, 1)), byte_alignment=16)
+        if const_expr(F8):  # per token two B columns (e4m3 hi, lo), and its power-of-two scales
+            sz = smem.allocate_tensor(Int32, cute.make_layout((2 * MXT, L // 4), stride=(CW, 1)), byte_alignment=16)
+            s_zsc = smem.allocate_tensor(Float32, cute.make_layout((2 * MXT,)), byte_alignment=16)
+            ring_s32 = cute.make_tensor(cute.recast_ptr(ring_s.iterator, dtype=Int32), cute.make_layout(
+                (ST, 2, RB_UP, SROW // 4), stride=(2 * RB_UP * SROW // 4, RB_UP * SROW // 4, SROW // 4, 1)))
+        else:
+            # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
+            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(L // 2, 1)), byte_alignment=16)
+            s_zsc = sz
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
         s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
@@ -456,7 +568,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         nz = (M * (L * 4) + SLOT_W - 1) // SLOT_W if ZL else ST
         if const_expr(PRO):
             nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
-                                     mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz)
+                                     mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz, s_zsc)
         else:
             nact = mMeta[0]
             # the routing tables, once, into shared memory: no global round trip on an item's critical path
@@ -481,7 +593,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                     else:
                         o = (r - PF_W) * PF_CHUNK
                         pf(mS2.iterator.toint() + e * S2_BYTES + o, cutlass.min(PF_CHUNK, S2_BYTES - o))
-        gZ = cute.zipped_divide(sz, (1, 4))
+        gZ = cute.zipped_divide(sz, (1, 2) if F8 else (1, 4))
         if const_expr(not PRO):
             # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
             # zeroing this rank's latent accumulator
@@ -533,6 +645,15 @@ def build_up_pipe(key: MoEUpPipeKey):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
                 accs = []
+                if const_expr(F8):  # B columns 2·token + (hi, lo): tokens 0..3 of the item, then 4..7
+                    col0 = 2 * s_tok[off + cutlass.min(g >> 1, num - 1)] + (g & 1)
+                    v = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    if num > 4:
+                        col1 = 2 * s_tok[off + cutlass.min(4 + (g >> 1), num - 1)] + (g & 1)
+                        v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])
+                    else:
+                        v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])
+                    accs = [v]
                 if const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
                     acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -549,7 +670,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                     accs = [acc0, acc1]
-                for q in cutlass.range_constexpr(0 if BAL else SBW):  # one accumulator per super-block: independent mma chains
+                for q in cutlass.range_constexpr(0 if BAL or F8 else SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     sb = warp + WARPS * q
                     if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
@@ -584,10 +705,18 @@ def build_up_pipe(key: MoEUpPipeKey):
                 for w_ in cutlass.range_constexpr(WARPS):
                     for r in cutlass.range_constexpr(4):
                         tot[r] = tot[r] + red[buf, w_, lane, r]
-                for x_ in cutlass.range_constexpr(2):
-                    tk = 2 * c + x_
-                    if tk < num:
-                        mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+                if const_expr(F8):  # (gate, up) of the item's tokens c and 4 + c, times the token's 2^k
+                    for x_ in cutlass.range_constexpr(2):
+                        tk = c + 4 * x_
+                        if tk < num:
+                            up_ = s_zsc[MXT + s_tok[off + tk]]
+                            mA[off + tk, i0 + g] = _situ(tot[2 * x_] * up_, tot[2 * x_ + 1] * up_, BETA,
+                                                         BETA_LIN).to(BFloat16)
+                else:
+                    for x_ in cutlass.range_constexpr(2):
+                        tk = 2 * c + x_
+                        if tk < num:
+                            mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 1))
@@ -669,6 +798,12 @@ class MoEDownPipeKey:
     # (at batch 1, 448 expert and 448 shared items: 48 CTAs carry both extras instead of 52) and it measured no
     # difference (run 20). Pairing them properly would give the shared extras to the CTAs without an expert one
     swap_shared: bool = True
+    # 'pair' (balanced split): the R_e = ne mod G CTAs with one expert item more than the others are CTAs 0..R_e - 1,
+    # and the shared items' extras go to the CTAs after them (R_e, R_e + 1, ... wrapping), so that no CTA takes both
+    # extras while another takes neither. Run 27's timeline at batch 1 (448 items of each kind): the CTAs that ended
+    # moe_down last held 4 expert and 4 shared items (8 items; the others 6 or 7) and also did a row block's
+    # all-reduce read. Replaces 'swap' when on
+    pair_extras: bool = False
     # 'late': let the tail's CTAs be scheduled (griddepcontrol.launch_dependents) only once a is staged, not
     # at this launch's start. The tail's CTAs that fit beside this one (about ten per SM) each load their
     # W_up row before their wait: a burst of about 10 MB that the a staging and the first ring slots queue
@@ -691,6 +826,18 @@ class MoEDownPipeKey:
     @property
     def rows_per_item(self) -> int:
         return 16 * self.warps
+
+
+def paired_split(bx: int, ne: int, nsh: int, g: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """CTA bx's runs of expert items and of shared items, [lo, hi) each, in the 'pair' split (the kernel computes
+    the same on the device): the ne mod g expert extras to CTAs 0.., the nsh mod g shared extras to the CTAs after
+    them, wrapping."""
+    q_e, r_e = divmod(ne, g)
+    lo_e = bx * q_e + min(bx, r_e)
+    j = (bx - r_e) % g
+    q_s, r_s = divmod(nsh, g)
+    lo_s = j * q_s + min(j, r_s)
+    return (lo_e, lo_e + q_e + int(bx < r_e)), (lo_s, lo_s + q_s + int(j < r_s))
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
@@ -745,6 +892,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = PIPE_MAX_M
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
+    PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
     THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
@@ -958,11 +1106,21 @@ def build_down_pipe(key: MoEDownPipeKey):
         ne = NBD * nact
         # this CTA's items: a run of expert items [lo_e, hi_e) then a run of shared items [lo_s, hi_s)
         if const_expr(BAL):  # every CTA an equal share of each kind (expert items cost far more arithmetic)
-            lo_e = (bx * ne) // G
-            hi_e = ((bx + 1) * ne) // G
-            bs = G - 1 - bx if SWAP else bx
-            lo_s = (bs * NSH) // G
-            hi_s = ((bs + 1) * NSH) // G
+            if const_expr(PAIR):
+                q_e = ne // G
+                r_e = ne - q_e * G
+                lo_e = bx * q_e + cutlass.min(bx, r_e)
+                hi_e = lo_e + q_e + Int32(bx < r_e)
+                j_s = bx - r_e
+                j_s = j_s + Int32(j_s < 0) * G
+                lo_s = j_s * (NSH // G) + cutlass.min(j_s, Int32(NSH % G))
+                hi_s = lo_s + NSH // G + Int32(j_s < NSH % G)
+            else:
+                lo_e = (bx * ne) // G
+                hi_e = ((bx + 1) * ne) // G
+                bs = G - 1 - bx if SWAP else bx
+                lo_s = (bs * NSH) // G
+                hi_s = ((bs + 1) * NSH) // G
         else:  # one contiguous run of (expert items, then shared items)
             lo = (bx * (ne + NSH)) // G
             hi = ((bx + 1) * (ne + NSH)) // G
@@ -1213,28 +1371,31 @@ RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal")
-TRACE_VARIANTS = ("run20", "run24", "bal")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f8", "pair")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f8", "pair")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
 _SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
              "zlast": ("up", "z_last"), "bal": ("up", "balance"), "prod": ("down", "producer_warp"),
-             "swap": ("down", "swap_shared"), "late": ("down", "late_trigger"), "aflush": ("down", "async_flush")}
+             "swap": ("down", "swap_shared"), "late": ("down", "late_trigger"), "aflush": ("down", "async_flush"),
+             "pair": ("down", "pair_extras")}
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
-    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], late
+    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], pair (moe_down
+    deals the shared items' extras to the CTAs without an expert extra; replaces swap) [off], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
     compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
     zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off], bal (moe_up
     deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; 14 compute warps
-    and the epilogue warp only) [off],
+    and the epilogue warp only) [off], f8 (moe_up on fp8 mma.sync m16n8k32: codes decoded to E4M3 by placing bits,
+    z as e4m3 hi + lo, the scales applied per 32-code group after the mma; needs pro, not with bal) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1257,6 +1418,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
+        elif tok == "f8":
+            up["fp8"] = True
         elif tok == "contig":
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
@@ -1273,13 +1436,14 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
         else:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
-                             f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), late0/late1 "
+                             f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), pair0/pair1 (moe_down's extras "
+                             f"on different CTAs), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), f8 (moe_up on fp8 mma), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1289,6 +1453,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                               or not up.get("epilogue_warp", MoEUpPipeKey.epilogue_warp)):
         raise ValueError(f"bal deals moe_up's half super-blocks over {len(UP_BALANCED_HALVES)} compute warps and the "
                          f"epilogue warp: it cannot go with upwN or epi0; got {text!r}")
+    if up.get("fp8") and (up.get("balance") or not up.get("prologue", MoEUpPipeKey.prologue)):
+        raise ValueError(f"f8 stages z in moe_up's merged prologue and takes whole super-blocks: it cannot go with "
+                         f"pro0 or bal; got {text!r}")
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
                          f"with pro0; got {text!r}")
@@ -1319,6 +1486,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("zlast" if up.z_last else "zlast0")
     if up.balance:
         parts.append("bal")
+    if up.fp8:
+        parts.append("f8")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
@@ -1336,6 +1505,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("prod0")
         if not down.swap_shared:
             parts.append("swap0")
+        if down.pair_extras:
+            parts.append("pair")
         if down.late_trigger != MoEDownPipeKey.late_trigger:
             parts.append("late" if down.late_trigger else "late0")
         if down.async_flush != MoEDownPipeKey.async_flush:
@@ -1377,4 +1548,4 @@ DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
 __all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes",
-           "parse_pipe_variant", "pipe_variant_name"]
+           "parse_pipe_variant", "pipe_variant_name", "paired_split"]

@@ -179,3 +179,52 @@ def scale_pair(s):
 
     b = (Int32(s) + Int32(126)) << 7
     return b | (b << 16)
+
+
+# E2M1 -> E4M3 by placing bits ('f8', the fp8 mma path): code (s, e1, e0, m) becomes the byte s·128 + (e1 e0 m)·4,
+# an E4M3 whose exponent field is (0 0 e1 e0) and mantissa (m 0 0). Normal codes 2^(e-1)(1 + m/2) and the subnormal
+# m/2 both become their value times 2^-6 (E4M3's bias is 7, E2M1's 1; E4M3's subnormal step is 2^-9), so the pair of
+# registers holds the exact codes up to one power of two that the scale takes back (`E4M3_SCALE_SHIFT`). The even
+# codes of a word sit in the low nibbles of its bytes, the odd ones in the high nibbles: per word two shifts and
+# four masks give 4 + 4 codes, against 13 integer ops and 4 packed multiplies for the 4 bf16 pairs.
+E4M3_SCALE_SHIFT = 6  # the decoded codes are the E2M1 values times 2^-6: the fp32 scale is 2^(s - 127 + 6)
+E4M3_MAG, E4M3_SIGN = 0x1C1C1C1C, 0x80808080
+
+
+def emulate_e4m3(q: int) -> tuple[int, int]:
+    """The bit operations of `decode_e4m3` on a Python int: (even, odd), each 4 E4M3 bytes (byte i = code 2i, or
+    2i + 1), each the E2M1 code times 2^-6 (used by the CPU tests)."""
+    q &= 0xFFFFFFFF
+    even = (((q << 2) & E4M3_MAG) | ((q << 4) & E4M3_SIGN)) & 0xFFFFFFFF
+    odd = ((q >> 2) & E4M3_MAG) | (q & E4M3_SIGN)
+    return even, odd
+
+
+_E4M3 = None
+
+
+def decode_e4m3():
+    """`@dsl_user_op` decode_e4m3(q) -> (even, odd): the 8 E2M1 codes of word q as E4M3 (times 2^-6), codes
+    0, 2, 4, 6 in the bytes of `even` and 1, 3, 5, 7 in those of `odd` (byte 0 first): one row's 8 k of an
+    mma.sync m16n8k32 A operand (registers a0 and a2, or a1 and a3)."""
+    global _E4M3
+    if _E4M3 is None:
+        from cutlass import Int32
+        from cutlass._mlir.dialects import llvm
+        from cutlass.cutlass_dsl import T, dsl_user_op
+
+        asm = ("{\n.reg .b32 q, t, u;\nmov.b32 q, $2;\n"
+               f"shl.b32 t, q, 2;\nand.b32 t, t, {E4M3_MAG:#010x};\nshl.b32 u, q, 4;\n"
+               f"and.b32 u, u, {E4M3_SIGN:#010x};\nor.b32 $0, t, u;\n"
+               f"shr.b32 t, q, 2;\nand.b32 t, t, {E4M3_MAG:#010x};\nand.b32 u, q, {E4M3_SIGN:#010x};\n"
+               "or.b32 $1, t, u;\n}")
+
+        @dsl_user_op
+        def decode(q, *, loc=None, ip=None):
+            res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 2), [Int32(q).ir_value(loc=loc, ip=ip)],
+                                  asm, "=r,=r,r", has_side_effects=True,  # kept next to its use (see decode_word)
+                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+            return tuple(Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(2))
+
+        _E4M3 = decode
+    return _E4M3
