@@ -768,3 +768,22 @@ def test_paired_extras_split_covers_every_item_once(compiler):
     down = kp.MoEDownPipeKey(s, **d)
     assert down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "pair"
     assert kc.resource_usage(down)["STACK"] == 0
+
+
+def test_lazy_flush_option_compiles(compiler):
+    """lazy (an option, off): moe_down's row-block flush keeps its red.adds at the row block's end and defers the
+    fence, the counter's atomic and the all-reduce read to after the next item (or the CTA's last), with the
+    all-reduce's r² in its own scratch; it does not go with aflush; no spill; the shared memory fits."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("pair-lazy")
+    down = kp.MoEDownPipeKey(s, **d)
+    assert down.lazy_flush and down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "pair-lazy"
+    ptx, base = kc.ptx_text(down), kc.ptx_text(kp.MoEDownPipeKey(s))
+    # the counter's atomic where a flush completes: after an expert item, after a shared item, after the last item
+    assert ptx.count("atom.global.acq_rel.add") == 3 and base.count("atom.global.acq_rel.add") == 1
+    res = kc.resource_usage(down)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0
+    assert kp.down_pipe_smem_bytes(down) + res["SHARED"] <= 227 * 1024

@@ -123,6 +123,7 @@ class MoEUpPipeKey:
     # e4m3 hi = rn(z) and lo = rn(z - hi), whose sum is closer to z than bf16 (about 8 significant bits against
     # 8, with two roundings: tests/test_mxfp4.py). Up to 4 tokens take one n8 tile, 5 to 8 two
     fp8: bool = False
+    fp8_tiles: int = 0  # 'f8t1' / 'f8t2': that many n8 tiles in every item (0: one or two by the item's tokens)
     arch: str = "sm_90a"
 
     @property
@@ -647,13 +648,19 @@ def build_up_pipe(key: MoEUpPipeKey):
                 accs = []
                 if const_expr(F8):  # B columns 2·token + (hi, lo): tokens 0..3 of the item, then 4..7
                     col0 = 2 * s_tok[off + cutlass.min(g >> 1, num - 1)] + (g & 1)
-                    v = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    if num > 4:
+                    if const_expr(key.fp8_tiles == 1):
+                        accs = [f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])]
+                    elif const_expr(key.fp8_tiles == 2):
                         col1 = 2 * s_tok[off + cutlass.min(4 + (g >> 1), num - 1)] + (g & 1)
-                        v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])
+                        accs = [f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])]
                     else:
-                        v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])
-                    accs = [v]
+                        v = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                        if num > 4:
+                            col1 = 2 * s_tok[off + cutlass.min(4 + (g >> 1), num - 1)] + (g & 1)
+                            v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])
+                        else:
+                            v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])
+                        accs = [v]
                 if const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
                     acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -816,6 +823,12 @@ class MoEDownPipeKey:
     # round trip (about 1 µs per row block in run 20's trace). Needs the producer warp. Measured slower (run 22:
     # the next item's barrier waits for the producer warp's fence and atomic)
     async_flush: bool = False
+    # 'lazy' (without aflush): at a row block's end every thread still adds its share of the CTA's sum into the
+    # latent partial (red.add) and empties acc, but the fence, the counter's atomic and, if this CTA completed the
+    # row block, its all-reduce read wait until after the next item (or the CTA's last one): by then the red.adds
+    # have landed and the fence no longer waits a round trip. Run 27's timeline at batch 1: flush_start to
+    # flush_counted about 1.0 µs between a CTA's expert and shared items
+    lazy_flush: bool = False
     decode: int = 3  # see MoEUpPipeKey.decode
     # compute warps per row group: 2 splits each expert item's K (I) between two warps that meet in shared
     # memory (16 · warps rows per item as before, twice the compute warps: 8 warps per SM left the decode's
@@ -858,7 +871,7 @@ def _down_fixed_bytes(key) -> int:
     I, S, n = key.shape.inter, key.shape.shared, PIPE_MAX_M
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
-    sums = 4 * n * key.rows_per_item * (2 if key.async_flush else 1)  # the async flush's all-reduce has its own
+    sums = 4 * n * key.rows_per_item * (2 if key.async_flush or key.lazy_flush else 1)  # the async flush's all-reduce has its own
     parts = key.ksplit * key.warps * 32 * 4 * 4 if key.ksplit > 1 else 0  # the K halves' partial sums
     return sums + parts + acts + tables + 640
 
@@ -892,6 +905,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = PIPE_MAX_M
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
+    LAZY = key.lazy_flush and not AFL
     PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
     THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
@@ -1056,6 +1070,24 @@ def build_down_pipe(key: MoEDownPipeKey):
             if const_expr(TR):
                 stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
 
+    @cute.jit
+    def complete_row_block(rb: Int32, mine: Int32, nact: Int32, flag: cute.Tensor, sq: cute.Tensor,
+                           mLat: cute.Tensor, mCoef: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor,
+                           mSsq: cute.Tensor, mCnt: cute.Tensor, M: Int32, tid: Int32, bx: Int32, mTrace: cute.Tensor):
+        """(all threads, inlined; 'lazy') the deferred end of row block rb's flush: the fence (its red.adds went
+        out an item ago), the counter's atomic and, if this CTA completed the row block, its all-reduce read"""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tid == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+            flag[0] = Int32(old + mine == nact)
+            if const_expr(TR):
+                stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
+        cute.arch.barrier()
+        if flag[0] != 0:
+            allreduce_rows(rb, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
+        cute.arch.barrier()
+
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
@@ -1088,7 +1120,7 @@ def build_down_pipe(key: MoEDownPipeKey):
         s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
-        if const_expr(AFL):  # the all-reduce's r² (acc may hold the next row block's sum by then)
+        if const_expr(AFL or LAZY):  # the all-reduce's r² (acc may hold the next row block's sum by then)
             sq = smem.allocate_tensor(Float32, cute.make_layout((MXT, RBD), stride=(RBD, 1)), byte_alignment=16)
         if const_expr(KS > 1):  # each K part's sums of an item (mma accumulator layout)
             kpart = smem.allocate_tensor(Float32, cute.make_layout((KS, RG, 32, 4), stride=(RG * 128, 128, 4, 1)),
@@ -1198,6 +1230,8 @@ def build_down_pipe(key: MoEDownPipeKey):
         gW4 = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout((ST, RBD * WROW), stride=(RBD * WROW, 1))),
                                  (1, 4))
         apend = Int32(0)  # (aflush) the producer warp is emptying acc: compute warps sync on barrier 1 first
+        pend = Int32(-1)  # (lazy) the row block whose red.adds are out and whose fence and count are pending
+        pmine = Int32(0)  # (lazy) its expert items in this CTA
         chk = Int32(-1)  # (aflush) the row block whose completion flag is read after the next CTA barrier
         for i in cutlass.range(n_items):
             k = lo_e + i + Int32(i >= n_e) * jump
@@ -1255,7 +1289,25 @@ def build_down_pipe(key: MoEDownPipeKey):
                                        lane, bx, mTrace)
                         apend = Int32(1)
                         chk = rb
-                if const_expr(not AFL):  # every thread flushes the row block at once
+                if const_expr(LAZY):  # the previous row block's fence and count, an item after its red.adds
+                    if pend >= 0:
+                        complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
+                                           bx, mTrace)
+                        pend = Int32(-1)
+                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
+                        if const_expr(TR):
+                            if tid == 0:
+                                stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
+                        for idx in cutlass.range(tid, M * RBD, THREADS):
+                            t = idx // RBD
+                            rl = idx - t * RBD
+                            cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
+                                          dtype=Float32, sem="relaxed", scope="gpu")
+                            acc[t, rl] = Float32(0.0)
+                        cute.arch.barrier()  # acc is empty for the next row block
+                        pend = rb
+                        pmine = k + 1 - cutlass.max(lo_e, rb * nact)
+                if const_expr(not AFL and not LAZY):  # every thread flushes the row block at once
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if const_expr(TR):
                             if tid == 0:
@@ -1321,6 +1373,14 @@ def build_down_pipe(key: MoEDownPipeKey):
                         if flag[chk % 2] != 0:
                             allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
                         chk = Int32(-1)
+                if const_expr(LAZY):
+                    if pend >= 0:
+                        complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
+                                           bx, mTrace)
+                        pend = Int32(-1)
+        if const_expr(LAZY):  # a row block that ended with the CTA's last item
+            if pend >= 0:
+                complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
         if const_expr(AFL):
             if apend != 0:  # balance the producer's last bar.arrive on barrier 1
                 if warp < WARPS:
@@ -1371,15 +1431,15 @@ RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f8", "pair")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f8", "pair")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f8", "pair", "f8t1", "f8t2", "lazy", "pair-lazy")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f8", "pair-lazy")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
 _SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
              "zlast": ("up", "z_last"), "bal": ("up", "balance"), "prod": ("down", "producer_warp"),
              "swap": ("down", "swap_shared"), "late": ("down", "late_trigger"), "aflush": ("down", "async_flush"),
-             "pair": ("down", "pair_extras")}
+             "pair": ("down", "pair_extras"), "lazy": ("down", "lazy_flush")}
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1387,7 +1447,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], pair (moe_down
-    deals the shared items' extras to the CTAs without an expert extra; replaces swap) [off], late
+    deals the shared items' extras to the CTAs without an expert extra; replaces swap) [off], lazy (moe_down's
+    flush fence, count and all-reduce an item after the row block's red.adds) [off], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1418,8 +1479,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
-        elif tok == "f8":
+        elif m := re.fullmatch(r"f8(?:t([12]))?", tok):
             up["fp8"] = True
+            up["fp8_tiles"] = int(m.group(1) or 0)
         elif tok == "contig":
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
@@ -1437,7 +1499,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             raise ValueError(f"pipelined-kernel variant must be '-'-joined options among pro0/pro1 (one-round-trip "
                              f"prologues), epi0/epi1 (moe_up's epilogue warp), prod0/prod1 (moe_down's producer "
                              f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), pair0/pair1 (moe_down's extras "
-                             f"on different CTAs), late0/late1 "
+                             f"on different CTAs), lazy0/lazy1 (moe_down's deferred flush), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
@@ -1487,7 +1549,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     if up.balance:
         parts.append("bal")
     if up.fp8:
-        parts.append("f8")
+        parts.append(f"f8t{up.fp8_tiles}" if up.fp8_tiles else "f8")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
@@ -1507,6 +1569,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("swap0")
         if down.pair_extras:
             parts.append("pair")
+        if down.lazy_flush:
+            parts.append("lazy")
         if down.late_trigger != MoEDownPipeKey.late_trigger:
             parts.append("late" if down.late_trigger else "late0")
         if down.async_flush != MoEDownPipeKey.async_flush:
