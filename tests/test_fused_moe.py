@@ -715,31 +715,30 @@ def test_item_rate_options(compiler):
         assert kc.resource_usage(key)["STACK"] == 0, key
 
 
-def test_fp8_mma_option_compiles_and_what_sm90_makes_of_it(compiler):
-    """f8 (an option, off): moe_up on mma.sync m16n8k32 e4m3 (one tile up to 4 tokens, two above: 2 super-blocks ×
-    4 groups × (1 + 2) mma per warp), the codes placed as E4M3 without packed multiplies, z staged as e4m3 hi/lo
-    with cvt, every row scaled once per group by FFMA; it needs the merged prologue and whole super-blocks. ptxas
-    for sm_90a has no fp8 mma.sync: each becomes two f16 HMMA.16816 after F2FP unpacks of A and B (the measured
-    reason this option cannot beat the bf16 path's instruction count). No spill; the shared memory fits."""
+def test_f16_option_compiles_with_native_f16_mma(compiler):
+    """f16 (an option, off): moe_up's codes placed as E4M3 (no packed multiplies), unpacked to f16 pairs by cvt and fed
+    to f16 mma.sync m16n8k16, two chained per 32-code group (2 super-blocks × 4 groups × 2 per warp), the scale applied
+    per group by FFMA; z staged in f16; it needs the merged prologue and whole super-blocks; the SASS has f16 HMMA and
+    no emulated fp8 mma; no spill; the shared memory fits."""
     import re
 
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    u, d = kp.parse_pipe_variant("f8")
+    u, d = kp.parse_pipe_variant("f16")
     up = kp.MoEUpPipeKey(s, **u)
-    assert up.fp8 and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "f8"
-    assert up.row_pad == kp.UP_ROW_PAD_F8 and kp.MoEUpPipeKey(s).row_pad == kp.UP_ROW_PAD
-    for bad in ("f8-pro0", "f8-bal"):
-        with pytest.raises(ValueError, match="f8"):
+    assert up.fp16 and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "f16"
+    assert up.row_pad == kp.UP_ROW_PAD_F16 and kp.MoEUpPipeKey(s).row_pad == kp.UP_ROW_PAD
+    for bad in ("f16-pro0", "f16-bal"):
+        with pytest.raises(ValueError, match="f16"):
             kp.parse_pipe_variant(bad)
     ptx = kc.ptx_text(up)
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3", ptx)) == 2 * 4 * 3
-    assert "mul.rn.bf16x2" not in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16", ptx)) == 2 * 4 * 2
+    assert "mul.rn.bf16x2" not in ptx and "e4m3.e4m3" not in ptx
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == 2 * 4 * 4 * 2
     sass = kc._cuobjdump_of(up, "-sass")
-    assert len(re.findall(r"HMMA\.16816\.F32 ", sass)) == 2 * 2 * 4 * 3
-    assert "F2FP.F16.E4M3.UNPACK_B" in sass
+    assert len(re.findall(r"HMMA\.16816\.F32 ", sass)) == 2 * 4 * 2
     res = kc.resource_usage(up)
     assert res["STACK"] == 0 and res["LOCAL"] == 0
     assert kp.up_pipe_smem_bytes(up) + res["SHARED"] <= 227 * 1024

@@ -115,15 +115,14 @@ class MoEUpPipeKey:
     # per-warp timeline). Measured slower (run 28: batch 8 234.2 µs against 224.9, batch 1 within the spread): a
     # half costs about 180 cycles on a sub-partition against about 120 as half of a whole super-block
     balance: bool = False
-    # 'f8' (with the merged prologue, whole super-blocks): fp8 mma.sync m16n8k32 instead of bf16 m16n8k16. A code
-    # word becomes 8 E4M3 A values by placing bits (`mxfp4_decode.decode_e4m3`: 2 shifts and 4 masks instead of 13
-    # integer ops and 4 packed multiplies); the quad of lanes holding a row's 32 k of one mma holds one 32-code
-    # scale group, so the mma runs from a zero accumulator and its result is scaled per row by 2^(s - 121) (FFMA).
-    # Each token is two B columns: z times a per-token power of two (its largest |z| in [128, 256)) split into
-    # e4m3 hi = rn(z) and lo = rn(z - hi), whose sum is closer to z than bf16 (about 8 significant bits against
-    # 8, with two roundings: tests/test_mxfp4.py). Up to 4 tokens take one n8 tile, 5 to 8 two
-    fp8: bool = False
-    fp8_tiles: int = 0  # 'f8t1' / 'f8t2': that many n8 tiles in every item (0: one or two by the item's tokens)
+    # 'f16' (with the merged prologue, whole super-blocks): each code word is placed as 8 E4M3 values (2 shifts and 4
+    # masks, `mxfp4_decode.decode_e4m3`), turned into f16 pairs by cvt (F2FP) and fed to f16 mma.sync m16n8k16; z is
+    # staged in f16 times a per-token power of two (its largest |z| in [2^14, 2^15)), 11 significant bits against
+    # bf16's 8. The quad of lanes holding a row's 32 k of a group's two chained mma holds one 32-code scale group,
+    # so the E8M0 scale is applied once per group and row by FFMA after the mma instead of by 4 packed multiplies per
+    # word. sm_90a has no fp8 mma.sync: ptxas makes the same F2FP + f16 HMMA of an m16n8k32 e4m3 mma, and that
+    # build (run 30-31) gave wrong, run-to-run varying results
+    fp16: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -136,11 +135,11 @@ class MoEUpPipeKey:
 
     @property
     def row_pad(self) -> int:
-        """Words of padding after each ring row: 'f8' reads one word per lane (rows 4 banks apart), the bf16 path a
+        """Words of padding after each ring row: 'f16' reads one word per lane (rows 4 banks apart), the bf16 path a
         quarter warp's 16-byte loads (UP_ROW_PAD)."""
         if not self.pad_rows:
             return 0
-        return UP_ROW_PAD_F8 if self.fp8 else UP_ROW_PAD
+        return UP_ROW_PAD_F16 if self.fp16 else UP_ROW_PAD
 
 
 # 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
@@ -149,8 +148,11 @@ UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
-UP_ROW_PAD_F8 = 4  # with 'f8' lane (g, c) reads one word of row g: rows 452 words apart put it on bank 4g + c
-F8_COL_PAD = 8  # words after each of 'f8''s B columns (2 per token): lane (g, c)'s 8-byte load on bank 8g + 2c
+UP_ROW_PAD_F16 = 4  # with 'f16' lane (g, c) reads one word of row g: rows 452 words apart put it on bank 4g + c
+F16_Z_PAD = 16  # words after each token's f16 z row ('f16'): a quarter warp's 16-byte loads of two rows on 32 banks
+# 'f16': the codes of a word each B register of a group's two mma holds (mma 1: b0, b1; mma 2: b0, b1), matching the A
+# halves: mma 1 takes bytes 0, 1 of decode_e4m3's even and odd registers, mma 2 bytes 2, 3 (tests/test_mxfp4.py)
+F16_B_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
 _RING_INIT = None
@@ -280,14 +282,14 @@ def _up_stage_bytes(shape: MoEShape, pad_words: int = 0) -> int:
     return RB_UP * (L // 8 + pad_words) * 4 * 2 + RB_UP * (L // 32) * 2
 
 
-def _f8_col_words() -> int:
-    """Words of one 'f8' B column (a token's hi or lo codes, 2 words per 8 codes) and its padding."""
-    return L // 4 + F8_COL_PAD
+def _f16_z_words() -> int:
+    """Words of one token's z row in 'f16' (f16 pairs, 4 words per 8 codes) and its padding."""
+    return L // 2 + F16_Z_PAD
 
 
 def _up_fixed_bytes(key) -> int:
     tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
-    z = 2 * PIPE_MAX_M * _f8_col_words() * 4 + PIPE_MAX_M * 4 if getattr(key, "fp8", False) else PIPE_MAX_M * L * 2
+    z = PIPE_MAX_M * _f16_z_words() * 4 + PIPE_MAX_M * 8 if getattr(key, "fp16", False) else PIPE_MAX_M * L * 2
     return z + tables + key.warps * 32 * 4 * 4 + 512
 
 
@@ -323,12 +325,12 @@ def build_up_pipe(key: MoEUpPipeKey):
     NRB = I // RB_UP
     W_BYTES = RB_UP * WROW * 4
     PAD = key.pad_rows
-    F8 = key.fp8
-    assert not F8 or (PRO and not BAL and NSB % WARPS == 0), \
-        "f8 stages z in the merged prologue and gives every compute warp the same number of whole super-blocks"
+    F16 = key.fp16
+    assert not F16 or (PRO and not BAL and NSB % WARPS == 0), \
+        "f16 stages z in the merged prologue and gives every compute warp the same number of whole super-blocks"
     PADW = key.row_pad
     WROWP = WROW + PADW  # words from one ring row to the next
-    CW = _f8_col_words()  # 'f8': words per B column
+    ZW = _f16_z_words()  # 'f16': words per token row of z
     WS_BYTES = RB_UP * WROWP * 4  # a slot's W1 (or W3) rows in shared memory
     S_BYTES = RB_UP * SROW
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
@@ -407,8 +409,8 @@ def build_up_pipe(key: MoEUpPipeKey):
         zf = cute.make_tensor(cute.recast_ptr(zbase, dtype=Float32),
                               cute.make_layout((MXT, L), stride=(L, 1)))
         gS = cute.zipped_divide(zf, (1, 4))
-        if const_expr(F8):
-            stage_z_f8(gS, sz, s_zsc, M, tid)
+        if const_expr(F16):
+            stage_z_f16(gS, sz, s_zsc, M, tid)
         else:
             for idx in cutlass.range(tid, M * (L // 8), THREADS):
                 t = idx // (L // 8)
@@ -419,13 +421,14 @@ def build_up_pipe(key: MoEUpPipeKey):
         return s_meta[0]
 
     @cute.jit
-    def stage_z_f8(gS: cute.Tensor, sz: cute.Tensor, s_zsc: cute.Tensor, M: Int32, tid: Int32):
-        """(all threads, traced inline; 'f8') warp t < M finds token t's largest |z| and the power of two 2^k that
-        puts it in [128, 256) (s_zsc[t] = 2^-k, s_zsc[MXT + t] = 2^k); after a CTA barrier every 8 codes of z
-        times 2^-k become e4m3 hi and lo words in B columns 2t and 2t + 1 (`ptx_ops.e4m3_hilo`): word 2w holds
-        codes 8w + 0, 2, 4, 6 and word 2w + 1 codes 8w + 1, 3, 5, 7, the k order of `decode_e4m3`'s A values."""
-        from .ptx_ops import as_f32, e4m3_hilo, f32_bits
+    def stage_z_f16(gS: cute.Tensor, sz: cute.Tensor, s_zsc: cute.Tensor, M: Int32, tid: Int32):
+        """(all threads, traced inline; 'f16') warp t < M finds token t's largest |z| and the power of two 2^k that
+        puts it in [2^14, 2^15) (s_zsc[t] = 2^-k, s_zsc[MXT + t] = 2^k); after a CTA barrier every 8 codes of z
+        times 2^-k become four f16 pairs in the order of the group's two mma's B operands: words 4w .. 4w + 3 of
+        sz[t] = codes (0, 2) (1, 3) (4, 6) (5, 7) of word w."""
+        from .ptx_ops import as_f32, f32_bits, pack_f16x2
 
+        pack = pack_f16x2()
         w_, ln = tid // 32, tid % 32
         if w_ < M:
             mx = Float32(0.0)
@@ -436,31 +439,28 @@ def build_up_pipe(key: MoEUpPipeKey):
             for o_ in cutlass.range_constexpr(5):
                 mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=16 >> o_))
             if ln == 0:
-                e = cutlass.max(cutlass.min(f32_bits()(mx) >> 23, Int32(254)), Int32(8))  # biased exponent of |z|max
-                s_zsc[w_] = as_f32()((Int32(261) - e) << 23)
-                s_zsc[MXT + w_] = as_f32()((e - Int32(7)) << 23)
+                e = cutlass.max(cutlass.min(f32_bits()(mx) >> 23, Int32(254)), Int32(15))  # biased exponent of |z|max
+                s_zsc[w_] = as_f32()((Int32(268) - e) << 23)
+                s_zsc[MXT + w_] = as_f32()((e - Int32(14)) << 23)
         cute.arch.barrier()
-        hilo = e4m3_hilo()
         for idx in cutlass.range(tid, M * (L // 8), THREADS):
             t = idx // (L // 8)
             o = idx - t * (L // 8)
             z0 = gS[(None, (t, 2 * o))].load()
             z1 = gS[(None, (t, 2 * o + 1))].load()
-            q = hilo([z0[k] for k in range(4)] + [z1[k] for k in range(4)], s_zsc[t])
-            sz[2 * t, 2 * o] = q[0]
-            sz[2 * t, 2 * o + 1] = q[1]
-            sz[2 * t + 1, 2 * o] = q[2]
-            sz[2 * t + 1, 2 * o + 1] = q[3]
+            sc = s_zsc[t]
+            zz = [z0[k] * sc for k in range(4)] + [z1[k] * sc for k in range(4)]
+            for q, (a, b) in enumerate(F16_B_PAIRS):
+                sz[t, 4 * o + q] = pack(zz[a], zz[b])
 
-    def f8_superblock(accs, ring_w, ring_s32, gB, slot, g, c, sb, cols):
-        """(traced inline; 'f8') a lane's share of super-block sb of the slot's W1 and W3 rows g: per 32-code group
-        one word of each row (the quad's 4 lanes hold the group), decoded to E4M3 (`decode_e4m3`), one mma
-        m16n8k32 per B tile (`cols`: this lane's B column per tile) from a zero accumulator, scaled per row by its
-        group's 2^(s - 121) into `accs` (per tile: gate hi, gate lo, up hi, up lo)."""
+    def f16_superblock(acc, ring_w, ring_s32, gB, slot, g, c, sb, t):
+        """(traced inline; 'f16') a lane's share of super-block sb of the slot's W1 and W3 rows g: per 32-code group
+        one word of each row (the quad's 4 lanes hold the group), placed as E4M3 (`decode_e4m3`), unpacked to f16
+        pairs, two chained mma m16n8k16 with B column t, the result scaled per row by the group's 2^(s - 121)."""
         from .mxfp4_decode import E4M3_SCALE_SHIFT, decode_e4m3
-        from .ptx_ops import as_f32, mma_e4m3
+        from .ptx_ops import as_f32, e4m3x2_to_f16x2, mma_f16
 
-        dec, mma, asf = decode_e4m3(), mma_e4m3(), as_f32()
+        dec, mma, asf, unpack = decode_e4m3(), mma_f16(), as_f32(), e4m3x2_to_f16x2()
         bias = E4M3_SCALE_SHIFT * 0x01010101  # every scale byte + 6: no carry (bytes <= MAX_E8M0)
         s1 = Int32(ring_s32[slot, 0, g, sb]) + bias
         s3 = Int32(ring_s32[slot, 1, g, sb]) + bias
@@ -470,26 +470,13 @@ def build_up_pipe(key: MoEUpPipeKey):
             e3, o3 = dec(ring_w[slot, 1, g, w])
             f1 = asf(((s1 >> (8 * grp)) & 0xFF) << 23)
             f3 = asf(((s3 >> (8 * grp)) & 0xFF) << 23)
-            for ti in range(len(cols)):
-                b = gB[(None, (cols[ti], w))].load()
-                d = mma([e1, e3, o1, o3], [b[0], b[1]])
-                a = accs[ti]
-                accs[ti] = [a[0] + d[0] * f1, a[1] + d[1] * f1, a[2] + d[2] * f3, a[3] + d[3] * f3]
-        return accs
-
-    def f8_item(ring_w, ring_s32, gB, slot, g, c, warp, cols):
-        """(traced inline; 'f8') a warp's super-blocks of the slot's rows: per lane (gate, up) of the token in column
-        pair c of each tile (hi + lo), 0 for a tile not taken."""
-        out = []
-        for ti in range(len(cols)):
-            out.append([Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)])
-        for q in range(NSB // WARPS):
-            out = f8_superblock(out, ring_w, ring_s32, gB, slot, g, c, warp + WARPS * q, cols)
-        v = [out[0][0] + out[0][1], out[0][2] + out[0][3], Float32(0.0), Float32(0.0)]
-        if len(cols) > 1:
-            v[2] = out[1][0] + out[1][1]
-            v[3] = out[1][2] + out[1][3]
-        return v
+            b = gB[(None, (t, w))].load()
+            u = [unpack(x) for x in (e1, e3, o1, o3)]  # each: (bytes 0, 1) and (bytes 2, 3) as f16 pairs
+            d = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            d = mma([u[0][0], u[1][0], u[2][0], u[3][0]], [b[0], b[1]], d)
+            d = mma([u[0][1], u[1][1], u[2][1], u[3][1]], [b[2], b[3]], d)
+            acc = [acc[0] + d[0] * f1, acc[1] + d[1] * f1, acc[2] + d[2] * f3, acc[3] + d[3] * f3]
+        return acc
 
     def up_operands(gW, ring_s, slot, g, c, sb):
         """(traced inline) a lane's 4 code words of super-block sb in the slot's W1 and W3 rows g, and their scale
@@ -532,8 +519,8 @@ def build_up_pipe(key: MoEUpPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
-        if const_expr(F8):  # per token two B columns (e4m3 hi, lo), and its power-of-two scales
-            sz = smem.allocate_tensor(Int32, cute.make_layout((2 * MXT, L // 4), stride=(CW, 1)), byte_alignment=16)
+        if const_expr(F16):  # z per token as f16 pairs in the two mma's B order, and its power-of-two scales
+            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(ZW, 1)), byte_alignment=16)
             s_zsc = smem.allocate_tensor(Float32, cute.make_layout((2 * MXT,)), byte_alignment=16)
             ring_s32 = cute.make_tensor(cute.recast_ptr(ring_s.iterator, dtype=Int32), cute.make_layout(
                 (ST, 2, RB_UP, SROW // 4), stride=(2 * RB_UP * SROW // 4, RB_UP * SROW // 4, SROW // 4, 1)))
@@ -594,7 +581,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                     else:
                         o = (r - PF_W) * PF_CHUNK
                         pf(mS2.iterator.toint() + e * S2_BYTES + o, cutlass.min(PF_CHUNK, S2_BYTES - o))
-        gZ = cute.zipped_divide(sz, (1, 2) if F8 else (1, 4))
+        gZ = cute.zipped_divide(sz, (1, 4))
         if const_expr(not PRO):
             # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
             # zeroing this rank's latent accumulator
@@ -646,21 +633,11 @@ def build_up_pipe(key: MoEUpPipeKey):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
                 accs = []
-                if const_expr(F8):  # B columns 2·token + (hi, lo): tokens 0..3 of the item, then 4..7
-                    col0 = 2 * s_tok[off + cutlass.min(g >> 1, num - 1)] + (g & 1)
-                    if const_expr(key.fp8_tiles == 1):
-                        accs = [f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])]
-                    elif const_expr(key.fp8_tiles == 2):
-                        col1 = 2 * s_tok[off + cutlass.min(4 + (g >> 1), num - 1)] + (g & 1)
-                        accs = [f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])]
-                    else:
-                        v = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                        if num > 4:
-                            col1 = 2 * s_tok[off + cutlass.min(4 + (g >> 1), num - 1)] + (g & 1)
-                            v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0, col1])
-                        else:
-                            v = f8_item(ring_w, ring_s32, gZ, slot, g, c, warp, [col0])
-                        accs = [v]
+                if const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
+                    acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                    for q in cutlass.range_constexpr(NSB // WARPS):
+                        acc = f16_superblock(acc, ring_w, ring_s32, gZ, slot, g, c, warp + WARPS * q, t)
+                    accs = [acc]
                 if const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
                     acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -677,7 +654,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                     accs = [acc0, acc1]
-                for q in cutlass.range_constexpr(0 if BAL or F8 else SBW):  # one accumulator per super-block: independent mma chains
+                for q in cutlass.range_constexpr(0 if BAL or F16 else SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     sb = warp + WARPS * q
                     if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
@@ -712,12 +689,12 @@ def build_up_pipe(key: MoEUpPipeKey):
                 for w_ in cutlass.range_constexpr(WARPS):
                     for r in cutlass.range_constexpr(4):
                         tot[r] = tot[r] + red[buf, w_, lane, r]
-                if const_expr(F8):  # (gate, up) of the item's tokens c and 4 + c, times the token's 2^k
+                if const_expr(F16):  # (gate, up) of the item's tokens 2c and 2c + 1, times the token's 2^k
                     for x_ in cutlass.range_constexpr(2):
-                        tk = c + 4 * x_
+                        tk = 2 * c + x_
                         if tk < num:
                             up_ = s_zsc[MXT + s_tok[off + tk]]
-                            mA[off + tk, i0 + g] = _situ(tot[2 * x_] * up_, tot[2 * x_ + 1] * up_, BETA,
+                            mA[off + tk, i0 + g] = _situ(tot[x_] * up_, tot[2 + x_] * up_, BETA,
                                                          BETA_LIN).to(BFloat16)
                 else:
                     for x_ in cutlass.range_constexpr(2):
@@ -1431,8 +1408,8 @@ RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f8", "pair", "f8t1", "f8t2", "lazy", "pair-lazy")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f8", "pair-lazy")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "pair", "lazy", "pair-lazy")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "pair-lazy")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1455,8 +1432,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     compute warps per row group, splitting K) [2], pad (moe_up's ring rows padded against bank conflicts) [on],
     zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off], bal (moe_up
     deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; 14 compute warps
-    and the epilogue warp only) [off], f8 (moe_up on fp8 mma.sync m16n8k32: codes decoded to E4M3 by placing bits,
-    z as e4m3 hi + lo, the scales applied per 32-code group after the mma; needs pro, not with bal) [off],
+    and the epilogue warp only) [off], f16 (moe_up's codes placed as E4M3, unpacked to f16 for f16 mma.sync, z in
+    f16, the scales applied per 32-code group after the mma; needs pro, not with bal) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1479,9 +1456,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
-        elif m := re.fullmatch(r"f8(?:t([12]))?", tok):
-            up["fp8"] = True
-            up["fp8_tiles"] = int(m.group(1) or 0)
+        elif tok == "f16":
+            up["fp16"] = True
         elif tok == "contig":
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
@@ -1505,7 +1481,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), f8 (moe_up on fp8 mma), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), f16 (moe_up on f16 mma), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1515,8 +1491,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                               or not up.get("epilogue_warp", MoEUpPipeKey.epilogue_warp)):
         raise ValueError(f"bal deals moe_up's half super-blocks over {len(UP_BALANCED_HALVES)} compute warps and the "
                          f"epilogue warp: it cannot go with upwN or epi0; got {text!r}")
-    if up.get("fp8") and (up.get("balance") or not up.get("prologue", MoEUpPipeKey.prologue)):
-        raise ValueError(f"f8 stages z in moe_up's merged prologue and takes whole super-blocks: it cannot go with "
+    if up.get("fp16") and (up.get("balance") or not up.get("prologue", MoEUpPipeKey.prologue)):
+        raise ValueError(f"f16 stages z in moe_up's merged prologue and takes whole super-blocks: it cannot go with "
                          f"pro0 or bal; got {text!r}")
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
@@ -1548,8 +1524,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("zlast" if up.z_last else "zlast0")
     if up.balance:
         parts.append("bal")
-    if up.fp8:
-        parts.append(f"f8t{up.fp8_tiles}" if up.fp8_tiles else "f8")
+    if up.fp16:
+        parts.append("f16")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:

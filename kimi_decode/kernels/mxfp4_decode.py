@@ -181,12 +181,12 @@ def scale_pair(s):
     return b | (b << 16)
 
 
-# E2M1 -> E4M3 by placing bits ('f8', the fp8 mma path): code (s, e1, e0, m) becomes the byte s·128 + (e1 e0 m)·4,
+# E2M1 -> E4M3 by placing bits ('f16', moe_up's option): code (s, e1, e0, m) becomes the byte s·128 + (e1 e0 m)·4,
 # an E4M3 whose exponent field is (0 0 e1 e0) and mantissa (m 0 0). Normal codes 2^(e-1)(1 + m/2) and the subnormal
 # m/2 both become their value times 2^-6 (E4M3's bias is 7, E2M1's 1; E4M3's subnormal step is 2^-9), so the pair of
 # registers holds the exact codes up to one power of two that the scale takes back (`E4M3_SCALE_SHIFT`). The even
 # codes of a word sit in the low nibbles of its bytes, the odd ones in the high nibbles: per word two shifts and
-# four masks give 4 + 4 codes, against 13 integer ops and 4 packed multiplies for the 4 bf16 pairs.
+# four masks give 4 + 4 codes; cvt makes them exact f16 pairs (E4M3 is a subset of f16).
 E4M3_SCALE_SHIFT = 6  # the decoded codes are the E2M1 values times 2^-6: the fp32 scale is 2^(s - 127 + 6)
 E4M3_MAG, E4M3_SIGN = 0x1C1C1C1C, 0x80808080
 
@@ -205,8 +205,8 @@ _E4M3 = None
 
 def decode_e4m3():
     """`@dsl_user_op` decode_e4m3(q) -> (even, odd): the 8 E2M1 codes of word q as E4M3 (times 2^-6), codes
-    0, 2, 4, 6 in the bytes of `even` and 1, 3, 5, 7 in those of `odd` (byte 0 first): one row's 8 k of an
-    mma.sync m16n8k32 A operand (registers a0 and a2, or a1 and a3)."""
+    0, 2, 4, 6 in the bytes of `even` and 1, 3, 5, 7 in those of `odd` (byte 0 first); 'f16' unpacks each register
+    into two f16 pairs (`ptx_ops.e4m3x2_to_f16x2`) for the A operand of f16 mma.sync."""
     global _E4M3
     if _E4M3 is None:
         from cutlass import Int32

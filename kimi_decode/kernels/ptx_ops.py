@@ -7,19 +7,14 @@
                                        memory (a later launch's bytes, fetched while this one is not
                                        bandwidth-bound)
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
-    mma_e4m3(a, b) -> d                mma.sync m16n8k32, e4m3 A (4 regs of 4) × e4m3 B (2 regs of 4), fp32 D
-                                       from a zero C (one 32-code scale group per row: the caller scales D)
-    e4m3_hilo(v, scale) -> 4 × Int32   8 fp32 v times `scale` split into e4m3 hi = rn(v) and lo = rn(v − hi),
-                                       each as two words: (v0, v2, v4, v6) and (v1, v3, v5, v7), byte 0 first
+    mma_f16(a, b, c) -> d              mma.sync m16n8k16, f16 A (4 regs) × f16 B (2 regs) + fp32 C (4)
+    e4m3x2_to_f16x2(x) -> (lo, hi)     the 4 E4M3 bytes of x as two f16 pairs: bytes (0, 1) and (2, 3) (cvt, exact)
+    pack_f16x2(lo, hi) -> Int32        two fp32 rounded to an f16 pair (lo in the low half)
     as_f32(bits) -> Float32            an Int32's bits read as fp32 (f32_bits: the reverse)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
     timestamps() -> (ns, clk)          %globaltimer (ns, common to all SMs) and %clock64 (this SM's cycles),
                                        read where the call stands (volatile), for kernel timelines
-
-Fragment layouts of mma.sync m16n8k32 (8-bit types): A a0 = row g, k 4c..4c+3 (byte 0 first); a1 = row g+8, same k;
-a2 = row g, k 16+4c..16+4c+3; a3 = row g+8, same k. B b0 = k 4c..4c+3, column g; b1 = k 16+4c.., column g. C/D
-as for m16n8k16.
 
 Fragment layouts of mma.sync m16n8k16 (lane = 4·g + c): A a0a1 = row g, k 2c..2c+1; a2a3 = row g+8,
 k 2c..2c+1; a4a5 = row g, k 2c+8..2c+9; a6a7 = row g+8, k 2c+8..2c+9. B b0b1 = k 2c..2c+1, column g;
@@ -63,34 +58,26 @@ def _ops():
         return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
 
     @dsl_user_op
-    def mma_e4m3(a, b, *, loc=None, ip=None):
-        ins = [Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
+    def mma_f16(a, b, c, *, loc=None, ip=None):
+        ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
+               + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
         res = asm(llvm.StructType.get_literal([T.f32()] * 4), ins,
-                  "{\n.reg .f32 z;\nmov.f32 z, 0f00000000;\n"
-                  "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-                  "{z,z,z,z};\n}", "=f,=f,=f,=f,r,r,r,r,r,r", loc, ip)
+                  "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+                  "{$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
         return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
 
-    # e4m3_hilo: $0..$3 = hi (v0 v2 v4 v6), hi (v1 v3 v5 v7), lo (...), lo (...); $4..$11 = v0..v7, $12 = scale.
-    # cvt ...e4m3x2.f32 d, a, b puts a in the high byte; the residual is taken from hi read back exactly (f16)
-    body = ["{", ".reg .f32 s, x<8>, h<8>, r<8>;", ".reg .b16 p<4>, q<4>, u, w;", ".reg .b32 f<4>;",
-            "mov.f32 s, $12;"]
-    body += [f"mul.f32 x{k}, ${4 + k}, s;" for k in range(8)]
-    pairs = ((2, 0), (6, 4), (3, 1), (7, 5))  # (high byte, low byte) of the 16-bit halves p0..p3
-    for j, (a, b) in enumerate(pairs):
-        body += [f"cvt.rn.satfinite.e4m3x2.f32 p{j}, x{a}, x{b};", f"cvt.rn.f16x2.e4m3x2 f{j}, p{j};",
-                 f"mov.b32 {{u, w}}, f{j};", f"cvt.f32.f16 h{b}, u;", f"cvt.f32.f16 h{a}, w;",
-                 f"sub.f32 r{a}, x{a}, h{a};", f"sub.f32 r{b}, x{b}, h{b};",
-                 f"cvt.rn.satfinite.e4m3x2.f32 q{j}, r{a}, r{b};"]
-    body += ["mov.b32 $0, {p0, p1};", "mov.b32 $1, {p2, p3};", "mov.b32 $2, {q0, q1};", "mov.b32 $3, {q2, q3};",
-             "}"]
-    hilo_text = "\n".join(body)
+    @dsl_user_op
+    def e4m3x2_to_f16x2(x, *, loc=None, ip=None):
+        res = asm(llvm.StructType.get_literal([T.i32()] * 2), [Int32(x).ir_value(loc=loc, ip=ip)],
+                  "{\n.reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.rn.f16x2.e4m3x2 $0, l;\ncvt.rn.f16x2.e4m3x2 $1, h;\n}",
+                  "=r,=r,r", loc, ip)
+        return tuple(Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
     @dsl_user_op
-    def e4m3_hilo(v, scale, *, loc=None, ip=None):
-        ins = [Float32(x).ir_value(loc=loc, ip=ip) for x in v] + [Float32(scale).ir_value(loc=loc, ip=ip)]
-        res = asm(llvm.StructType.get_literal([T.i32()] * 4), ins, hilo_text, "=r,=r,=r,=r" + ",f" * 9, loc, ip)
-        return [Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+    def pack_f16x2(lo, hi, *, loc=None, ip=None):
+        res = asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                  "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
+        return Int32(res)
 
     @dsl_user_op
     def f32_bits(x, *, loc=None, ip=None):
@@ -122,7 +109,7 @@ def _ops():
                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
         return tuple(Int64(llvm.extractvalue(T.i64(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
-    _OPS.update(mma_e4m3=mma_e4m3, e4m3_hilo=e4m3_hilo, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    _OPS.update(mma_f16=mma_f16, e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_f16x2=pack_f16x2, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
     return _OPS
 
 
@@ -150,12 +137,16 @@ def pack_bf16x2():
     return _ops()["pack_bf16x2"]
 
 
-def mma_e4m3():
-    return _ops()["mma_e4m3"]
+def mma_f16():
+    return _ops()["mma_f16"]
 
 
-def e4m3_hilo():
-    return _ops()["e4m3_hilo"]
+def e4m3x2_to_f16x2():
+    return _ops()["e4m3x2_to_f16x2"]
+
+
+def pack_f16x2():
+    return _ops()["pack_f16x2"]
 
 
 def as_f32():
