@@ -58,7 +58,8 @@ stage_cmd() {
     moe-breakdown-spread) echo "$KD moe --breakdown --executors fused,fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_spread_h200_tp8.csv" ;;
     fused-spread-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (dec3 or zlast or None)'; $PY -m pytest -q -p no:cacheprovider tests/test_mma_rate.py" ;;
     moe-f16) echo "$KD moe --executors stock,fused,fused@f16,fused@pair,fused@f16-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_f16_h200_tp8.csv && $KD moe --trace --executors fused@f16 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_f16_h200_tp8.csv.xz" ;;
-    fused-opt-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (f16 or pair or lazy or None)'" ;;
+    fused-opt-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (f16 or pair or lazy or zswz or None)'" ;;
+    moe-zswz) echo "$KD moe --executors stock,fused,fused@zswz,fused@f16,fused@zswz-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_zswz_h200_tp8.csv && $KD moe --check-only --executors fused@zswz,fused@f16 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_zswz_h200_check_verify.csv && $KD moe --trace --executors fused@zswz --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_zswz_h200_tp8.csv.xz" ;;
     moe-lazy) echo "$KD moe --executors stock,fused,fused@pair,fused@lazy,fused@pair-lazy --tps 8 --batches 1,2,8 --no-progress --out $M/moe_lazy_h200_tp8.csv && $KD moe --trace --executors fused@pair-lazy --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_lazy_h200_tp8.csv.xz" ;;
     mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;

@@ -786,3 +786,44 @@ def test_lazy_flush_option_compiles(compiler):
     res = kc.resource_usage(down)
     assert res["STACK"] == 0 and res["LOCAL"] == 0
     assert kp.down_pipe_smem_bytes(down) + res["SHARED"] <= 227 * 1024
+
+
+def test_z_swizzle_puts_a_quarter_warps_b_loads_on_distinct_banks(compiler):
+    """zswz (an option, off): moe_up's 16-byte B loads (lane (g, c) of a quarter warp reads chunk 16 sb + 4c + bb of
+    its token's z row) hit 32 distinct banks with the swizzled chunks and 4-word row padding, for one token or two;
+    unswizzled they share banks 2 ways (one token) and 4 ways (two tokens). The staging and the loads use the same
+    `z_chunk`; it refuses f16 and pro0; no spill; the shared memory fits."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+
+    def worst_conflict(swizzle, tokens):
+        row = kp.L // 2 + (kp.Z_SWIZZLE_PAD if swizzle else 0)
+        worst = 1
+        for sb in range(kp.L // kp.SB):
+            for bb in range(4):
+                for q in range(4):  # the quarter warps: lanes 8q .. 8q + 7, rows g = 2q, 2q + 1
+                    banks = {}
+                    for lane in range(8 * q, 8 * q + 8):
+                        g, c = lane // 4, lane % 4
+                        t = min(g, tokens - 1)
+                        start = t * row + 4 * kp.z_chunk(16 * sb + 4 * c + bb, swizzle)
+                        for w in range(start, start + 4):
+                            banks.setdefault(w % 32, set()).add(w)
+                    worst = max(worst, max(len(v) for v in banks.values()))
+        return worst
+
+    assert (worst_conflict(False, 1), worst_conflict(False, 8)) == (2, 4)
+    assert (worst_conflict(True, 1), worst_conflict(True, 8)) == (1, 1)
+    for j in range(kp.L // 8):  # a permutation of the chunks
+        assert kp.z_chunk(kp.z_chunk(j, True), True) == j and kp.z_chunk(j, True) < kp.L // 8
+    s = km.shapes_for_tp(8)
+    for bad in ("zswz-f16", "zswz-pro0"):
+        with pytest.raises(ValueError, match="zswz"):
+            kp.parse_pipe_variant(bad)
+    u, d = kp.parse_pipe_variant("zswz")
+    up = kp.MoEUpPipeKey(s, **u)
+    assert up.z_swizzle and kp.pipe_variant_name(up, kp.MoEDownPipeKey(s, **d)) == "zswz"
+    res = kc.resource_usage(up)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0
+    assert kp.up_pipe_smem_bytes(up) + res["SHARED"] <= 227 * 1024

@@ -123,6 +123,10 @@ class MoEUpPipeKey:
     # word. sm_90a has no fp8 mma.sync: ptxas makes the same F2FP + f16 HMMA of an m16n8k32 e4m3 mma, and that
     # build (run 30-31) gave wrong, run-to-run varying results
     fp16: bool = False
+    # 'zswz' (bf16 path): z's staged rows 4 words longer and their 4-word chunks swizzled (`z_chunk`), so that a
+    # quarter warp's 16-byte B loads (4 chunks 16 words apart, and at 5-8 tokens two rows) hit 32 distinct banks:
+    # unswizzled, chunks 4c + bb of c = 0, 2 and of c = 1, 3 share banks (2-way), 4-way with two rows
+    z_swizzle: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -149,6 +153,7 @@ UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
 UP_ROW_PAD_F16 = 4  # with 'f16' lane (g, c) reads one word of row g: rows 452 words apart put it on bank 4g + c
+Z_SWIZZLE_PAD = 4  # 'zswz': words after each staged z row (bf16 path): the second row of a quarter warp 4 banks on
 F16_Z_PAD = 16  # words after each token's f16 z row ('f16'): a quarter warp's 16-byte loads of two rows on 32 banks
 # 'f16': the codes of a word each B register of a group's two mma holds (mma 1: b0, b1; mma 2: b0, b1), matching the A
 # halves: mma 1 takes bytes 0, 1 of decode_e4m3's even and odd registers, mma 2 bytes 2, 3 (tests/test_mxfp4.py)
@@ -200,12 +205,21 @@ def trace_arg():
                                                  assumed_align=16)
 
 
-def store_b_order(dst, row, o, v):
+def z_chunk(j, swizzle=False):
+    """(traced inline) Where 4-word chunk j of a staged activation row lies: j itself, or with 'zswz' j with bit 1
+    flipped when bit 3 is set, so that the chunks a quad reads (4c + bb, c = 0..3: 16 words apart, two bank groups)
+    lie in four."""
+    return j ^ (((j >> 3) & 1) << 1) if swizzle else j
+
+
+def store_b_order(dst, row, o, v, swizzle=False):
     """(traced inline) Store 8 consecutive fp32 values v (codes 8o .. 8o + 7 of a K row) as the bf16 pairs an
-    mma.sync B operand takes in the permuted K order: words 4o .. 4o + 3 of dst[row] = (0,4) (2,6) (1,5) (3,7)."""
+    mma.sync B operand takes in the permuted K order: words 4o .. 4o + 3 of dst[row] = (0,4) (2,6) (1,5) (3,7)
+    (chunk o moved by `z_chunk` with `swizzle`)."""
     from .ptx_ops import pack_bf16x2
 
     pack = pack_bf16x2()
+    o = z_chunk(o, swizzle)
     for w, (a, b) in enumerate(((0, 4), (2, 6), (1, 5), (3, 7))):
         dst[row, 4 * o + w] = pack(v[a], v[b])
 
@@ -257,17 +271,18 @@ def routing_table_bytes(M, per_token: int = 0):
     return 16 + E * 12 + M * (TOPK * 4 + per_token)
 
 
-def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0, decode=1, bbs=(0, 4)):
+def superblock_mma(acc, wa, wb, sa, sb, sB, col, v0, decode=1, bbs=(0, 4), swizzle=False):
     """(traced inline) One lane's share of a 128-code super-block: acc += A·B over 8 mma.sync m16n8k16, A rows
     g and g+8 from the 4 code words wa, wb (scale pairs sa, sb) decoded to bf16 pairs, B from the staged
     activations sB (pairs in the mma's B order) of column `col`, 8-code groups v0..v0+3. `bbs`: the words
-    (of 4) this call takes (a K split inside the super-block); `decode`: the pair decode's version."""
+    (of 4) this call takes (a K split inside the super-block); `decode`: the pair decode's version; `swizzle`: the
+    activations were staged with `z_chunk`'s swizzle."""
     from .mxfp4_decode import decode_pairs
     from .ptx_ops import mma_bf16
 
     pairs, mma = decode_pairs(decode), mma_bf16()
     for bb in range(*bbs):
-        b = sB[(None, (col, v0 + bb))].load()
+        b = sB[(None, (col, z_chunk(v0 + bb, swizzle)))].load()
         pa = pairs(wa[bb], sa)
         pb = pairs(wb[bb], sb)
         for s in range(2):
@@ -290,6 +305,8 @@ def _f16_z_words() -> int:
 def _up_fixed_bytes(key) -> int:
     tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
     z = PIPE_MAX_M * _f16_z_words() * 4 + PIPE_MAX_M * 8 if getattr(key, "fp16", False) else PIPE_MAX_M * L * 2
+    if getattr(key, "z_swizzle", False):
+        z += PIPE_MAX_M * Z_SWIZZLE_PAD * 4
     return z + tables + key.warps * 32 * 4 * 4 + 512
 
 
@@ -326,6 +343,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     W_BYTES = RB_UP * WROW * 4
     PAD = key.pad_rows
     F16 = key.fp16
+    ZSW = key.z_swizzle
+    assert not (ZSW and (F16 or not PRO)), "zswz swizzles the bf16 path's z, staged by the merged prologue"
     assert not F16 or (PRO and not BAL and NSB % WARPS == 0), \
         "f16 stages z in the merged prologue and gives every compute warp the same number of whole super-blocks"
     PADW = key.row_pad
@@ -417,7 +436,7 @@ def build_up_pipe(key: MoEUpPipeKey):
                 o = idx - t * (L // 8)
                 z0 = gS[(None, (t, 2 * o))].load()
                 z1 = gS[(None, (t, 2 * o + 1))].load()
-                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)], ZSW)
         return s_meta[0]
 
     @cute.jit
@@ -489,7 +508,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     def up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t):
         """(traced inline) a lane's share of super-block sb of the slot's W1 and W3 rows g (A rows g, g + 8)."""
         a1, a3, sc1, sc3 = up_operands(gW, ring_s, slot, g, c, sb)
-        return superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode)
+        return superblock_mma(acc, a1, a3, sc1, sc3, gZ, t, 16 * sb + 4 * c, key.decode, swizzle=ZSW)
 
     def up_half(acc, gW, ring_s, gZ, slot, g, c, h, t):
         """(traced inline; 'bal') a lane's share of half super-block h (words 2·(h mod 2), +1 of the lane's four in
@@ -499,7 +518,8 @@ def build_up_pipe(key: MoEUpPipeKey):
         a1, a3, sc1, sc3 = up_operands(gW, ring_s, slot, g, c, sb)
         w1 = [Int32(cutlass.select_(hi, a1[2 + k], a1[k])) for k in range(2)]
         w3 = [Int32(cutlass.select_(hi, a3[2 + k], a3[k])) for k in range(2)]
-        return superblock_mma(acc, w1, w3, sc1, sc3, gZ, t, 16 * sb + 4 * c + 2 * (h - 2 * sb), key.decode, (0, 2))
+        return superblock_mma(acc, w1, w3, sc1, sc3, gZ, t, 16 * sb + 4 * c + 2 * (h - 2 * sb), key.decode, (0, 2),
+                              swizzle=ZSW)
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -526,7 +546,8 @@ def build_up_pipe(key: MoEUpPipeKey):
                 (ST, 2, RB_UP, SROW // 4), stride=(2 * RB_UP * SROW // 4, RB_UP * SROW // 4, SROW // 4, 1)))
         else:
             # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
-            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(L // 2, 1)), byte_alignment=16)
+            zrow = L // 2 + (Z_SWIZZLE_PAD if ZSW else 0)
+            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(zrow, 1)), byte_alignment=16)
             s_zsc = sz
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
@@ -1408,8 +1429,8 @@ RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
 # dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "pair", "lazy", "pair-lazy")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "pair-lazy")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "pair", "lazy", "pair-lazy", "zswz")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "pair-lazy", "zswz")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1433,7 +1454,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     zlast (moe_up stages z in its ring's last slots and requests the others from the prologue) [off], bal (moe_up
     deals half super-blocks so that its four sub-partitions do equal work, UP_BALANCED_HALVES; 14 compute warps
     and the epilogue warp only) [off], f16 (moe_up's codes placed as E4M3, unpacked to f16 for f16 mma.sync, z in
-    f16, the scales applied per 32-code group after the mma; needs pro, not with bal) [off],
+    f16, the scales applied per 32-code group after the mma; needs pro, not with bal) [off], zswz (moe_up's staged z
+    rows padded and their chunks swizzled against bank conflicts; not with f16) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
@@ -1458,6 +1480,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["prefetch_tail_rows"] = int(m.group(1))
         elif tok == "f16":
             up["fp16"] = True
+        elif tok == "zswz":
+            up["z_swizzle"] = True
         elif tok == "contig":
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
@@ -1481,7 +1505,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), f16 (moe_up on f16 mma), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1494,6 +1518,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     if up.get("fp16") and (up.get("balance") or not up.get("prologue", MoEUpPipeKey.prologue)):
         raise ValueError(f"f16 stages z in moe_up's merged prologue and takes whole super-blocks: it cannot go with "
                          f"pro0 or bal; got {text!r}")
+    if up.get("z_swizzle") and (up.get("fp16") or not up.get("prologue", MoEUpPipeKey.prologue)):
+        raise ValueError(f"zswz swizzles the bf16 path's z, which the merged prologue stages: it cannot go with f16 or "
+                         f"pro0; got {text!r}")
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
                          f"with pro0; got {text!r}")
@@ -1526,6 +1553,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("bal")
     if up.fp16:
         parts.append("f16")
+    if up.z_swizzle:
+        parts.append("zswz")
     if up.early_slots != (0 if up.prologue else 1):
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
