@@ -261,9 +261,10 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1, decode=1,
                                                    pad_rows=False),
                                               dict(prologue=False, producer_warp=False, swap_shared=False,
-                                                   late_trigger=False, decode=1, ksplit=1))
+                                                   pair_extras=False, late_trigger=False, decode=1, ksplit=1))
     assert kp.parse_pipe_variant("run20") == (dict(decode=1, pad_rows=False),
-                                              dict(late_trigger=False, decode=1, ksplit=1))
+                                              dict(pair_extras=False, late_trigger=False, decode=1, ksplit=1))
+    assert kp.parse_pipe_variant("run27") == ({}, dict(pair_extras=False))
     # run17 is expanded where it stands: what follows it changes it
     assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
     assert kp.parse_pipe_variant("swap1-run17")[1]["swap_shared"] is False
@@ -295,7 +296,7 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     up = kp.MoEUpPipeKey(s)
     assert up.prologue and up.epilogue_warp and up.early_slots == 0
     down = kp.MoEDownPipeKey(s)
-    assert down.prologue and down.producer_warp and down.swap_shared
+    assert down.prologue and down.producer_warp and down.swap_shared and down.pair_extras
 
 
 def test_spread_decode_and_z_last_options_compile(compiler):
@@ -322,7 +323,8 @@ def test_spread_decode_and_z_last_options_compile(compiler):
     down, dec3_down = kp.MoEDownPipeKey(s, decode=2), kp.MoEDownPipeKey(s)
     assert (dec3_up.decode, dec3_down.decode) == (3, 3)
     u, d = kp.parse_pipe_variant("run24")
-    assert (u["decode"], d["decode"]) == (2, 2) and kp.pipe_variant_name(up, down) == "run24"
+    assert (u["decode"], d["decode"]) == (2, 2) and kp.pipe_variant_name(up, down) == "dec2"
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "run24"  # and pair0
     for a, b in ((up, dec3_up), (down, dec3_down)):
         assert count(a, "mul.lo.u32") == 0 < count(b, "mul.lo.u32")
         assert count(b, "shl.b32") < count(a, "shl.b32")
@@ -693,7 +695,7 @@ def test_item_rate_options(compiler):
     assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 3, True, 3, 2)
     assert kp.pipe_variant_name(up, down) == "upw28"
     u, d = kp.parse_pipe_variant("run20-upw28")
-    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-late0-downk1"
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-pair0-late0-downk1"
     assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
 
     def count(key, what):
@@ -745,7 +747,7 @@ def test_f16_option_compiles_with_native_f16_mma(compiler):
 
 
 def test_paired_extras_split_covers_every_item_once(compiler):
-    """pair (an option, off): moe_down's balanced split gives the expert extras to CTAs 0..R_e - 1 and the shared
+    """pair (the default since run 35): moe_down's balanced split gives the expert extras to CTAs 0..R_e - 1 and the shared
     extras to the CTAs after them, so that no CTA takes both while another takes neither (batch 1: at most 7 items
     a CTA instead of 8); the split (`paired_split`, which the kernel mirrors) covers each item once; no spill."""
     from kimi_decode import compile as kc
@@ -763,9 +765,9 @@ def test_paired_extras_split_covers_every_item_once(compiler):
         both = sum(1 for (a, b) in runs if a[1] - a[0] > ne // G and b[1] - b[0] > nsh // G)
         assert both == max(0, ne % G + nsh % G - G), (ne, nsh, both)
     assert max(sum(r[1] - r[0] for r in kp.paired_split(bx, 448, 448, G)) for bx in range(G)) == 7
-    u, d = kp.parse_pipe_variant("pair")
-    down = kp.MoEDownPipeKey(s, **d)
-    assert down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "pair"
+    down, old = kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, **kp.parse_pipe_variant("pair0")[1])
+    assert down.pair_extras and not old.pair_extras  # the default since run 35
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), old) == "run27"
     assert kc.resource_usage(down)["STACK"] == 0
 
 
@@ -777,9 +779,9 @@ def test_lazy_flush_option_compiles(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    u, d = kp.parse_pipe_variant("pair-lazy")
+    u, d = kp.parse_pipe_variant("lazy")
     down = kp.MoEDownPipeKey(s, **d)
-    assert down.lazy_flush and down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "pair-lazy"
+    assert down.lazy_flush and down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "lazy"
     ptx, base = kc.ptx_text(down), kc.ptx_text(kp.MoEDownPipeKey(s))
     # the counter's atomic where a flush completes: after an expert item, after a shared item, after the last item
     assert ptx.count("atom.global.acq_rel.add") == 3 and base.count("atom.global.acq_rel.add") == 1

@@ -807,8 +807,9 @@ class MoEDownPipeKey:
     # and the shared items' extras go to the CTAs after them (R_e, R_e + 1, ... wrapping), so that no CTA takes both
     # extras while another takes neither. Run 27's timeline at batch 1 (448 items of each kind): the CTAs that ended
     # moe_down last held 4 expert and 4 shared items (8 items; the others 6 or 7) and also did a row block's
-    # all-reduce read. Replaces 'swap' when on
-    pair_extras: bool = False
+    # all-reduce read. Replaces 'swap' when on. Batch 1 faster in each of four runs (30, 32, 33, 34: 0.1 to 0.9 µs,
+    # each within its run's spread), batch 8 from 4.5 µs faster to 0.6 slower; the default since run 35
+    pair_extras: bool = True
     # 'late': let the tail's CTAs be scheduled (griddepcontrol.launch_dependents) only once a is staged, not
     # at this launch's start. The tail's CTAs that fit beside this one (about ten per SM) each load their
     # W_up row before their wait: a burst of about 10 MB that the a staging and the first ring slots queue
@@ -1419,18 +1420,20 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 
 # earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
-RUN20 = "dec1-pad0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
-RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
-RUN24 = "dec2"  # the run-24 kernels (the defaults from run 24 to run 26)
+RUN20 = "dec1-pad0-pair0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
+RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-pair0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
+RUN24 = "dec2-pair0"  # the run-24 kernels (the defaults from run 24 to run 26)
+RUN27 = "pair0"  # the run-27 kernels (the defaults from run 27 to run 34)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
 # last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (slower, run 27) and its half super-blocks
-# dealt for equal sub-partitions (bal, slower, run 28). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# dealt for equal sub-partitions (bal, slower, run 28), the run-27 kernels, and the options of runs 30-34 (f16, lazy,
+# zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "pair", "lazy", "pair-lazy", "zswz")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "pair-lazy", "zswz")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1444,8 +1447,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     """A '-'-joined list of options of the pipelined kernels -> (MoEUpPipeKey fields, MoEDownPipeKey fields).
     Options (X1 or bare X turns an option on, X0 off; defaults in brackets):
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
-    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order) [on], pair (moe_down
-    deals the shared items' extras to the CTAs without an expert extra; replaces swap) [off], lazy (moe_down's
+    (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order; without pair) [on], pair (moe_down
+    deals the shared items' extras to the CTAs without an expert extra; replaces swap) [on], lazy (moe_down's
     flush fence, count and all-reduce an item after the row block's red.adds) [off], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
@@ -1460,7 +1463,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
-    runs 24-26), run20 = RUN20 (the defaults of runs 20-23), run17 = RUN17 (run 17's kernels), each expanded
+    runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run20 = RUN20 (the defaults of runs 20-23), run17 =
+    RUN17 (run 17's kernels), each expanded
     where it stands, so that 'run17-swap1' is run
     17's kernels with the swap.
     E.g. 'pf1-tail2048', 'run17', 'pro0-contig-upearly4-downearly3' (run 13's kernels)."""
@@ -1468,7 +1472,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
 
     up, down = {}, {}
     toks = text.split("-") if text else ["?"]
-    for alias, spelled in (("run17", RUN17), ("run20", RUN20), ("run24", RUN24)):
+    for alias, spelled in (("run17", RUN17), ("run20", RUN20), ("run24", RUN24), ("run27", RUN27)):
         if alias in toks:  # expanded in place, so that options after it change it
             i = toks.index(alias)
             toks = toks[:i] + spelled.split("-") + toks[i + 1:]
@@ -1508,7 +1512,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"even out its sub-partitions), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
-                             f"slots requested before the staging), run17, run20; e.g. pf1-tail2048 or run17; got {text!r}")
+                             f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
     if up.get("balance") and (up.get("warps", MoEUpPipeKey.warps) != len(UP_BALANCED_HALVES)
@@ -1572,8 +1576,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("prod0")
         if not down.swap_shared:
             parts.append("swap0")
-        if down.pair_extras:
-            parts.append("pair")
+        if down.pair_extras != MoEDownPipeKey.pair_extras:
+            parts.append("pair" if down.pair_extras else "pair0")
         if down.lazy_flush:
             parts.append("lazy")
         if down.late_trigger != MoEDownPipeKey.late_trigger:
@@ -1583,7 +1587,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         if down.ksplit != MoEDownPipeKey.ksplit:
             parts.append(f"downk{down.ksplit}")
     name = "-".join(parts) or "default"
-    return {RUN17: "run17", RUN20: "run20", RUN24: "run24"}.get(name, name)
+    return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27"}.get(name, name)
 
 
 def _aot_keys(kind: str):
