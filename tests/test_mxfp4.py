@@ -88,7 +88,7 @@ def test_pair_decode_bit_cuts_give_the_e2m1_values():
 
 
 def test_e4m3_decode_places_e2m1_codes_exactly():
-    """'f8' (`mxfp4_decode.decode_e4m3`, emulated on ints): byte i of the even register is code 2i and of the odd
+    """'f16' (`mxfp4_decode.decode_e4m3`, emulated on ints): byte i of the even register is code 2i and of the odd
     register code 2i + 1, each read as E4M3 the E2M1 value times 2^-6 (the shift the fp32 scale takes back), for
     random words and every code in every position."""
     import random

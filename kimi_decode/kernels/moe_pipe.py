@@ -121,7 +121,7 @@ class MoEUpPipeKey:
     # bf16's 8. The quad of lanes holding a row's 32 k of a group's two chained mma holds one 32-code scale group,
     # so the E8M0 scale is applied once per group and row by FFMA after the mma instead of by 4 packed multiplies per
     # word. sm_90a has no fp8 mma.sync: ptxas makes the same F2FP + f16 HMMA of an m16n8k32 e4m3 mma, and that
-    # build (run 30-31) gave wrong, run-to-run varying results
+    # build (runs 30 and 32, removed) gave wrong, run-to-run varying results (docs/fused_moe.md)
     fp16: bool = False
     # 'zswz' (bf16 path): z's staged rows 4 words longer and their 4-word chunks swizzled (`z_chunk`), so that a
     # quarter warp's 16-byte B loads (4 chunks 16 words apart, and at 5-8 tokens two rows) hit 32 distinct banks:
@@ -1293,6 +1293,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                         complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
                                            bx, mTrace)
                         pend = Int32(-1)
+                if const_expr(not AFL):  # every thread adds its share of the row block's sum at once
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if const_expr(TR):
                             if tid == 0:
@@ -1303,32 +1304,23 @@ def build_down_pipe(key: MoEDownPipeKey):
                             cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
                                           dtype=Float32, sem="relaxed", scope="gpu")
                             acc[t, rl] = Float32(0.0)
-                        cute.arch.barrier()  # acc is empty for the next row block
-                        pend = rb
-                        pmine = k + 1 - cutlass.max(lo_e, rb * nact)
-                if const_expr(not AFL and not LAZY):  # every thread flushes the row block at once
-                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
-                        if const_expr(TR):
+                        if const_expr(LAZY):  # the fence and the count after the next item
+                            cute.arch.barrier()  # acc is empty for the next row block
+                            pend = rb
+                            pmine = k + 1 - cutlass.max(lo_e, rb * nact)
+                        else:  # the fence, the count and, if this CTA completed the row block, its all-reduce
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.barrier()
                             if tid == 0:
-                                stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
-                        for idx in cutlass.range(tid, M * RBD, THREADS):
-                            t = idx // RBD
-                            rl = idx - t * RBD
-                            cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, rl], op="add",
-                                          dtype=Float32, sem="relaxed", scope="gpu")
-                            acc[t, rl] = Float32(0.0)
-                        cute.arch.fence_acq_rel_gpu()
-                        cute.arch.barrier()
-                        if tid == 0:
-                            mine = k + 1 - cutlass.max(lo_e, rb * nact)
-                            old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
-                            flag[0] = Int32(old + mine == nact)
-                            if const_expr(TR):
-                                stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
-                        cute.arch.barrier()
-                        if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
-                            allreduce_rows(rb, acc, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, True)
-                        cute.arch.barrier()
+                                mine = k + 1 - cutlass.max(lo_e, rb * nact)
+                                old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+                                flag[0] = Int32(old + mine == nact)
+                                if const_expr(TR):
+                                    stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
+                            cute.arch.barrier()
+                            if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read
+                                allreduce_rows(rb, acc, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, True)
+                            cute.arch.barrier()
             else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS

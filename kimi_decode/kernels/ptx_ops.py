@@ -48,23 +48,20 @@ def _ops():
         asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
 
-    @dsl_user_op
-    def mma_bf16(a, b, c, *, loc=None, ip=None):
-        ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
-               + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
-        res = asm(llvm.StructType.get_literal([T.f32()] * 4), ins,
-                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-                  "{$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
-        return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+    def make_mma(ab):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+                "{$10,$11,$12,$13};")
 
-    @dsl_user_op
-    def mma_f16(a, b, c, *, loc=None, ip=None):
-        ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
-               + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
-        res = asm(llvm.StructType.get_literal([T.f32()] * 4), ins,
-                  "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-                  "{$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
-        return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+        @dsl_user_op
+        def mma(a, b, c, *, loc=None, ip=None):
+            ins = ([Int32(x).ir_value(loc=loc, ip=ip) for x in a] + [Int32(x).ir_value(loc=loc, ip=ip) for x in b]
+                   + [Float32(x).ir_value(loc=loc, ip=ip) for x in c])
+            res = asm(llvm.StructType.get_literal([T.f32()] * 4), ins, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+            return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+
+        return mma
+
+    mma_bf16, mma_f16 = make_mma("bf16"), make_mma("f16")
 
     @dsl_user_op
     def e4m3x2_to_f16x2(x, *, loc=None, ip=None):
@@ -74,12 +71,6 @@ def _ops():
         return tuple(Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
     @dsl_user_op
-    def pack_f16x2(lo, hi, *, loc=None, ip=None):
-        res = asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                  "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
-        return Int32(res)
-
-    @dsl_user_op
     def f32_bits(x, *, loc=None, ip=None):
         return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
@@ -87,11 +78,18 @@ def _ops():
     def as_f32(bits, *, loc=None, ip=None):
         return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
-    @dsl_user_op
-    def pack_bf16x2(lo, hi, *, loc=None, ip=None):
-        res = asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                  "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
-        return Int32(res)
+    def make_pack(kind):
+        text = f"cvt.rn.{kind}.f32 $0, $1, $2;"
+
+        @dsl_user_op
+        def pack(lo, hi, *, loc=None, ip=None):
+            res = asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                      text, "=r,f,f", loc, ip)
+            return Int32(res)
+
+        return pack
+
+    pack_bf16x2, pack_f16x2 = make_pack("bf16x2"), make_pack("f16x2")
 
     @dsl_user_op
     def bf16x2_to_f32(w, *, loc=None, ip=None):
@@ -109,49 +107,21 @@ def _ops():
                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
         return tuple(Int64(llvm.extractvalue(T.i64(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
-    _OPS.update(mma_f16=mma_f16, e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_f16x2=pack_f16x2, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps, bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, pack_bf16x2=pack_bf16x2, bf16x2_to_f32=bf16x2_to_f32)
+    _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, mma_f16=mma_f16,
+                e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
+                bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps)
     return _OPS
 
 
-def bulk_g2s():
-    return _ops()["bulk_g2s"]
+def _accessor(name):
+    def get():
+        return _ops()[name]
+    get.__name__ = get.__qualname__ = name
+    get.__doc__ = f"The traced op `{name}` (see the module docstring); built on first use."
+    return get
 
 
-def timestamps():
-    return _ops()["timestamps"]
-
-
-def bulk_prefetch_l2():
-    return _ops()["bulk_prefetch_l2"]
-
-
-def mma_bf16():
-    return _ops()["mma_bf16"]
-
-
-def bf16x2_to_f32():
-    return _ops()["bf16x2_to_f32"]
-
-
-def pack_bf16x2():
-    return _ops()["pack_bf16x2"]
-
-
-def mma_f16():
-    return _ops()["mma_f16"]
-
-
-def e4m3x2_to_f16x2():
-    return _ops()["e4m3x2_to_f16x2"]
-
-
-def pack_f16x2():
-    return _ops()["pack_f16x2"]
-
-
-def as_f32():
-    return _ops()["as_f32"]
-
-
-def f32_bits():
-    return _ops()["f32_bits"]
+(bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
+ f32_bits, timestamps) = (_accessor(n) for n in (
+    "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
+    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps"))
