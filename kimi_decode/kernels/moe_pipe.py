@@ -548,7 +548,7 @@ def build_up_pipe(key: MoEUpPipeKey):
             # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
             zrow = L // 2 + (Z_SWIZZLE_PAD if ZSW else 0)
             sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(zrow, 1)), byte_alignment=16)
-            s_zsc = sz
+            s_zsc = sz  # a stand-in argument: only the f16 staging reads or writes per-token scales
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
         s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
