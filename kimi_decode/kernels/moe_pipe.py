@@ -145,6 +145,12 @@ class MoEUpPipeKey:
             return 0
         return UP_ROW_PAD_F16 if self.fp16 else UP_ROW_PAD
 
+    @property
+    def z_row_words(self) -> int:
+        """Words from one token's staged z row to the next: L/2 (bf16 pairs, or with 'f16' f16 pairs) and the
+        padding of 'f16' (F16_Z_PAD) or 'zswz' (Z_SWIZZLE_PAD)."""
+        return L // 2 + (F16_Z_PAD if self.fp16 else Z_SWIZZLE_PAD if self.z_swizzle else 0)
+
 
 # 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
 # epilogue warp) 12, 3 14: of a row's 56 halves, warp w takes the UP_BALANCED_HALVES[w] after those of warps < w
@@ -203,6 +209,16 @@ def trace_arg():
 
     return cute.runtime.make_fake_compact_tensor(Int64, (H200_SMS, 2, TRACE_BUF), stride_order=(2, 1, 0),
                                                  assumed_align=16)
+
+
+def store_f16_order(dst, row, o, v, scale):
+    """(traced inline; 'f16') Store 8 consecutive fp32 values v (codes 8o .. 8o + 7 of a K row) times `scale` as the
+    f16 pairs of a group's two mma's B operands: words 4o .. 4o + 3 of dst[row] = codes F16_B_PAIRS."""
+    from .ptx_ops import pack_f16x2
+
+    pack = pack_f16x2()
+    for q, (a, b) in enumerate(F16_B_PAIRS):
+        dst[row, 4 * o + q] = pack(v[a] * scale, v[b] * scale)
 
 
 def z_chunk(j, swizzle=False):
@@ -297,16 +313,9 @@ def _up_stage_bytes(shape: MoEShape, pad_words: int = 0) -> int:
     return RB_UP * (L // 8 + pad_words) * 4 * 2 + RB_UP * (L // 32) * 2
 
 
-def _f16_z_words() -> int:
-    """Words of one token's z row in 'f16' (f16 pairs, 4 words per 8 codes) and its padding."""
-    return L // 2 + F16_Z_PAD
-
-
-def _up_fixed_bytes(key) -> int:
+def _up_fixed_bytes(key: MoEUpPipeKey) -> int:
     tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
-    z = PIPE_MAX_M * _f16_z_words() * 4 + PIPE_MAX_M * 8 if getattr(key, "fp16", False) else PIPE_MAX_M * L * 2
-    if getattr(key, "z_swizzle", False):
-        z += PIPE_MAX_M * Z_SWIZZLE_PAD * 4
+    z = PIPE_MAX_M * key.z_row_words * 4 + (PIPE_MAX_M * 8 if key.fp16 else 0)  # 'f16': the per-token scales
     return z + tables + key.warps * 32 * 4 * 4 + 512
 
 
@@ -349,7 +358,6 @@ def build_up_pipe(key: MoEUpPipeKey):
         "f16 stages z in the merged prologue and gives every compute warp the same number of whole super-blocks"
     PADW = key.row_pad
     WROWP = WROW + PADW  # words from one ring row to the next
-    ZW = _f16_z_words()  # 'f16': words per token row of z
     WS_BYTES = RB_UP * WROWP * 4  # a slot's W1 (or W3) rows in shared memory
     S_BYTES = RB_UP * SROW
     STAGE_BYTES = 2 * W_BYTES + 2 * S_BYTES
@@ -429,25 +437,25 @@ def build_up_pipe(key: MoEUpPipeKey):
                               cute.make_layout((MXT, L), stride=(L, 1)))
         gS = cute.zipped_divide(zf, (1, 4))
         if const_expr(F16):
-            stage_z_f16(gS, sz, s_zsc, M, tid)
-        else:
-            for idx in cutlass.range(tid, M * (L // 8), THREADS):
-                t = idx // (L // 8)
-                o = idx - t * (L // 8)
-                z0 = gS[(None, (t, 2 * o))].load()
-                z1 = gS[(None, (t, 2 * o + 1))].load()
-                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)], ZSW)
+            z_scales_f16(gS, s_zsc, M, tid)
+        for idx in cutlass.range(tid, M * (L // 8), THREADS):
+            t = idx // (L // 8)
+            o = idx - t * (L // 8)
+            z0 = gS[(None, (t, 2 * o))].load()
+            z1 = gS[(None, (t, 2 * o + 1))].load()
+            v = [z0[k] for k in range(4)] + [z1[k] for k in range(4)]
+            if const_expr(F16):
+                store_f16_order(sz, t, o, v, s_zsc[t])
+            else:
+                store_b_order(sz, t, o, v, ZSW)
         return s_meta[0]
 
     @cute.jit
-    def stage_z_f16(gS: cute.Tensor, sz: cute.Tensor, s_zsc: cute.Tensor, M: Int32, tid: Int32):
+    def z_scales_f16(gS: cute.Tensor, s_zsc: cute.Tensor, M: Int32, tid: Int32):
         """(all threads, traced inline; 'f16') warp t < M finds token t's largest |z| and the power of two 2^k that
-        puts it in [2^14, 2^15) (s_zsc[t] = 2^-k, s_zsc[MXT + t] = 2^k); after a CTA barrier every 8 codes of z
-        times 2^-k become four f16 pairs in the order of the group's two mma's B operands: words 4w .. 4w + 3 of
-        sz[t] = codes (0, 2) (1, 3) (4, 6) (5, 7) of word w."""
-        from .ptx_ops import as_f32, f32_bits, pack_f16x2
+        puts it in [2^14, 2^15): s_zsc[t] = 2^-k, s_zsc[MXT + t] = 2^k; then a CTA barrier."""
+        from .ptx_ops import as_f32, f32_bits
 
-        pack = pack_f16x2()
         w_, ln = tid // 32, tid % 32
         if w_ < M:
             mx = Float32(0.0)
@@ -462,15 +470,6 @@ def build_up_pipe(key: MoEUpPipeKey):
                 s_zsc[w_] = as_f32()((Int32(268) - e) << 23)
                 s_zsc[MXT + w_] = as_f32()((e - Int32(14)) << 23)
         cute.arch.barrier()
-        for idx in cutlass.range(tid, M * (L // 8), THREADS):
-            t = idx // (L // 8)
-            o = idx - t * (L // 8)
-            z0 = gS[(None, (t, 2 * o))].load()
-            z1 = gS[(None, (t, 2 * o + 1))].load()
-            sc = s_zsc[t]
-            zz = [z0[k] * sc for k in range(4)] + [z1[k] * sc for k in range(4)]
-            for q, (a, b) in enumerate(F16_B_PAIRS):
-                sz[t, 4 * o + q] = pack(zz[a], zz[b])
 
     def f16_superblock(acc, ring_w, ring_s32, gB, slot, g, c, sb, t):
         """(traced inline; 'f16') a lane's share of super-block sb of the slot's W1 and W3 rows g: per 32-code group
@@ -539,15 +538,15 @@ def build_up_pipe(key: MoEUpPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
                                       byte_alignment=128)
-        if const_expr(F16):  # z per token as f16 pairs in the two mma's B order, and its power-of-two scales
-            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(ZW, 1)), byte_alignment=16)
+        # z of every token as bf16 pairs in the mma's B order (per 8 codes (0,4) (2,6) (1,5) (3,7)), or with 'f16' as
+        # f16 pairs in its two mma's (F16_B_PAIRS)
+        sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(key.z_row_words, 1)),
+                                  byte_alignment=16)
+        if const_expr(F16):  # the tokens' power-of-two scales, and the scale bytes 4 at a time
             s_zsc = smem.allocate_tensor(Float32, cute.make_layout((2 * MXT,)), byte_alignment=16)
             ring_s32 = cute.make_tensor(cute.recast_ptr(ring_s.iterator, dtype=Int32), cute.make_layout(
                 (ST, 2, RB_UP, SROW // 4), stride=(2 * RB_UP * SROW // 4, RB_UP * SROW // 4, SROW // 4, 1)))
         else:
-            # z of every token as bf16 pairs in the mma's B order: per 8 codes (0,4) (2,6) (1,5) (3,7)
-            zrow = L // 2 + (Z_SWIZZLE_PAD if ZSW else 0)
-            sz = smem.allocate_tensor(Int32, cute.make_layout((MXT, L // 2), stride=(zrow, 1)), byte_alignment=16)
             s_zsc = sz  # a stand-in argument: only the f16 staging reads or writes per-token scales
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
@@ -710,18 +709,14 @@ def build_up_pipe(key: MoEUpPipeKey):
                 for w_ in cutlass.range_constexpr(WARPS):
                     for r in cutlass.range_constexpr(4):
                         tot[r] = tot[r] + red[buf, w_, lane, r]
-                if const_expr(F16):  # (gate, up) of the item's tokens 2c and 2c + 1, times the token's 2^k
-                    for x_ in cutlass.range_constexpr(2):
-                        tk = 2 * c + x_
-                        if tk < num:
-                            up_ = s_zsc[MXT + s_tok[off + tk]]
-                            mA[off + tk, i0 + g] = _situ(tot[x_] * up_, tot[2 + x_] * up_, BETA,
-                                                         BETA_LIN).to(BFloat16)
-                else:
-                    for x_ in cutlass.range_constexpr(2):
-                        tk = 2 * c + x_
-                        if tk < num:
-                            mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+                for x_ in cutlass.range_constexpr(2):  # (gate, up) of the item's tokens 2c and 2c + 1
+                    tk = 2 * c + x_
+                    if tk < num:
+                        gate, up_ = tot[x_], tot[2 + x_]
+                        if const_expr(F16):  # times the token's 2^k
+                            sc = s_zsc[MXT + s_tok[off + tk]]
+                            gate, up_ = gate * sc, up_ * sc
+                        mA[off + tk, i0 + g] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 1))
@@ -1072,9 +1067,11 @@ def build_down_pipe(key: MoEDownPipeKey):
     @cute.jit
     def complete_row_block(rb: Int32, mine: Int32, nact: Int32, flag: cute.Tensor, sq: cute.Tensor,
                            mLat: cute.Tensor, mCoef: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor,
-                           mSsq: cute.Tensor, mCnt: cute.Tensor, M: Int32, tid: Int32, bx: Int32, mTrace: cute.Tensor):
-        """(all threads, inlined; 'lazy') the deferred end of row block rb's flush: the fence (its red.adds went
-        out an item ago), the counter's atomic and, if this CTA completed the row block, its all-reduce read"""
+                           mSsq: cute.Tensor, mCnt: cute.Tensor, M: Int32, tid: Int32, bx: Int32, mTrace: cute.Tensor,
+                           zero: Constexpr):
+        """(all threads, inlined) the end of row block rb's flush once its red.adds are out (right after them, or
+        with 'lazy' an item later): the fence, the counter's atomic of this CTA's `mine` expert items and, if this
+        CTA completed the row block, its all-reduce read with `sq` as scratch (`allreduce_rows`' `zero`)"""
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier()
         if tid == 0:
@@ -1083,8 +1080,8 @@ def build_down_pipe(key: MoEDownPipeKey):
             if const_expr(TR):
                 stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
         cute.arch.barrier()
-        if flag[0] != 0:
-            allreduce_rows(rb, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
+        if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read of it
+            allreduce_rows(rb, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, zero)
         cute.arch.barrier()
 
     @cute.kernel
@@ -1291,7 +1288,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if const_expr(LAZY):  # the previous row block's fence and count, an item after its red.adds
                     if pend >= 0:
                         complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
-                                           bx, mTrace)
+                                           bx, mTrace, False)
                         pend = Int32(-1)
                 if const_expr(not AFL):  # every thread adds its share of the row block's sum at once
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
@@ -1308,19 +1305,9 @@ def build_down_pipe(key: MoEDownPipeKey):
                             cute.arch.barrier()  # acc is empty for the next row block
                             pend = rb
                             pmine = k + 1 - cutlass.max(lo_e, rb * nact)
-                        else:  # the fence, the count and, if this CTA completed the row block, its all-reduce
-                            cute.arch.fence_acq_rel_gpu()
-                            cute.arch.barrier()
-                            if tid == 0:
-                                mine = k + 1 - cutlass.max(lo_e, rb * nact)
-                                old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
-                                flag[0] = Int32(old + mine == nact)
-                                if const_expr(TR):
-                                    stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
-                            cute.arch.barrier()
-                            if flag[0] != 0:  # every expert of the row block is in: one-shot all-reduce read
-                                allreduce_rows(rb, acc, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, True)
-                            cute.arch.barrier()
+                        else:  # the fence, the count and perhaps the all-reduce now, acc (empty) as scratch
+                            complete_row_block(rb, k + 1 - cutlass.max(lo_e, rb * nact), nact, flag, acc, mLat, mCoef,
+                                               mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, True)
             else:  # shared experts' down projection, rows n0 .. n0 + RSH: this rank's partial
                 n0 = (k - ne) * RSH
                 sgrp = lane // GS
@@ -1367,11 +1354,12 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if const_expr(LAZY):
                     if pend >= 0:
                         complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
-                                           bx, mTrace)
+                                           bx, mTrace, False)
                         pend = Int32(-1)
         if const_expr(LAZY):  # a row block that ended with the CTA's last item
             if pend >= 0:
-                complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace)
+                complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace,
+                                   False)
         if const_expr(AFL):
             if apend != 0:  # balance the producer's last bar.arrive on barrier 1
                 if warp < WARPS:

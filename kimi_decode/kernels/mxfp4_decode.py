@@ -20,6 +20,21 @@ MAX_E8M0 = 128  # largest E8M0 scale byte the decode accepts (2^(s-1) must fit b
 _DECODE = None
 
 
+def _asm_words(asm, n_out, args, loc, ip):
+    """(traced) inline PTX `asm` over the Int32 `args` ($n_out ..) with n_out b32 results ($0 ..), as Int32. Marked
+    as having side effects so that the compiler keeps each decode next to its use: hoisted out of a token loop,
+    all of a CTA's decoded weights (8 fp32 per word) would be live at once and spill."""
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * n_out),
+                          [Int32(a).ir_value(loc=loc, ip=ip) for a in args], asm,
+                          ",".join(["=r"] * n_out + ["r"] * len(args)), has_side_effects=True, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(n_out)]
+
+
 def decode_word():
     """`@dsl_user_op` decode(q, scale_pair) -> [8 × Float32]: the 8 codes of q times the scale.
 
@@ -33,7 +48,7 @@ def decode_word():
 
 
 def _make_decode():
-    from cutlass import Float32, Int32
+    from cutlass import Float32
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -58,24 +73,8 @@ def _make_decode():
 
     @dsl_user_op
     def decode(q, scale_pair, *, loc=None, ip=None):
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.i32()] * 8),
-            [Int32(q).ir_value(loc=loc, ip=ip), Int32(scale_pair).ir_value(loc=loc, ip=ip)],
-            asm,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-            # marked as having side effects so that the compiler keeps each decode next to its use: hoisted out
-            # of a token loop, all of a CTA's decoded weights (8 fp32 per word) would be live at once and spill
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-        out = []
-        for k in range(8):
-            bits = llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)
-            out.append(Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip)))
-        return out
+        return [Float32(llvm.bitcast(T.f32(), w.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+                for w in _asm_words(asm, 8, (q, scale_pair), loc, ip)]
 
     return decode
 
@@ -136,9 +135,7 @@ def decode_pairs(version: int = 1):
 
 
 def _make_pairs(version: int):
-    from cutlass import Int32
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass.cutlass_dsl import dsl_user_op
 
     body = []
     if version in (2, 3):
@@ -162,13 +159,7 @@ def _make_pairs(version: int):
 
     @dsl_user_op
     def pairs(q, scale_pair, *, loc=None, ip=None):
-        res = llvm.inline_asm(
-            llvm.StructType.get_literal([T.i32()] * 4),
-            [Int32(q).ir_value(loc=loc, ip=ip), Int32(scale_pair).ir_value(loc=loc, ip=ip)],
-            asm, "=r,=r,=r,=r,r,r",
-            has_side_effects=True,  # kept next to its use (see decode_word)
-            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-        return [Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+        return _asm_words(asm, 4, (q, scale_pair), loc, ip)
 
     return pairs
 
@@ -209,9 +200,7 @@ def decode_e4m3():
     into two f16 pairs (`ptx_ops.e4m3x2_to_f16x2`) for the A operand of f16 mma.sync."""
     global _E4M3
     if _E4M3 is None:
-        from cutlass import Int32
-        from cutlass._mlir.dialects import llvm
-        from cutlass.cutlass_dsl import T, dsl_user_op
+        from cutlass.cutlass_dsl import dsl_user_op
 
         asm = ("{\n.reg .b32 q, t, u;\nmov.b32 q, $2;\n"
                f"shl.b32 t, q, 2;\nand.b32 t, t, {E4M3_MAG:#010x};\nshl.b32 u, q, 4;\n"
@@ -221,10 +210,7 @@ def decode_e4m3():
 
         @dsl_user_op
         def decode(q, *, loc=None, ip=None):
-            res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 2), [Int32(q).ir_value(loc=loc, ip=ip)],
-                                  asm, "=r,=r,r", has_side_effects=True,  # kept next to its use (see decode_word)
-                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-            return tuple(Int32(llvm.extractvalue(T.i32(), res, [k], loc=loc, ip=ip)) for k in range(2))
+            return tuple(_asm_words(asm, 2, (q,), loc, ip))
 
         _E4M3 = decode
     return _E4M3
