@@ -1,5 +1,7 @@
 """The fused MoE half (4 CuTe DSL launches): input checks on CPU, correctness on a GPU."""
 
+import re
+
 import pytest
 import torch
 
@@ -788,6 +790,76 @@ def test_lazy_flush_option_compiles(compiler):
     res = kc.resource_usage(down)
     assert res["STACK"] == 0 and res["LOCAL"] == 0
     assert kp.down_pipe_smem_bytes(down) + res["SHARED"] <= 227 * 1024
+
+
+def test_flush_warp_option_compiles_with_its_own_barriers(compiler):
+    """fwarp (an option, off): moe_down gets one more warp that flushes the finished row blocks and does their
+    all-reduce reads; the other warps meet on named barrier 3 (not the CTA-wide barrier 0, which the flush warp
+    no longer reaches after the staging) and hand row blocks over on barriers 4/5 (arrive) and take the emptied
+    half back on 6/7, by parity; the row-block sum is double-buffered; it refuses lazy and aflush; no spill; the
+    shared memory fits, at TP8 and TP16."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    u, d = kp.parse_pipe_variant("fwarp")
+    assert u == {} and d == dict(flush_warp=True)
+    for bad in ("fwarp-lazy", "fwarp-aflush"):
+        with pytest.raises(ValueError, match="fwarp"):
+            kp.parse_pipe_variant(bad)
+    for tp in (8, 16):
+        s = km.shapes_for_tp(tp)
+        down, base = kp.MoEDownPipeKey(s, **d), kp.MoEDownPipeKey(s)
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), down) == "fwarp"
+        ptx = kc.ptx_text(down)
+        threads = 32 * (2 * base.warps + 1)  # compute warps (K split in two) and the producer warp
+        assert re.search(rf"bar\.sync\s+3, {threads};", ptx)
+        for bar, how in ((4, "arrive"), (5, "arrive"), (6, "sync"), (7, "sync")):  # the other warps' side
+            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32};", ptx), (tp, bar)
+        for bar, how in ((4, "sync"), (5, "sync"), (6, "arrive"), (7, "arrive")):  # the flush warp's side
+            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32};", ptx), (tp, bar)
+        assert ptx.count("atom.global.acq_rel.add") == 1  # one counter atomic, now on the flush warp
+        assert kp.down_pipe_smem_bytes(down) - kp.down_pipe_smem_bytes(base) == 4 * kp.PIPE_MAX_M * down.rows_per_item
+        res = kc.resource_usage(down)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0
+        assert kp.down_pipe_smem_bytes(down) + res["SHARED"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("nact", [1, 16, 32, 109, 128])
+def test_flush_warp_row_blocks_add_up_to_every_expert_once(nact):
+    """The flush warp's row blocks and item counts (`row_block_flushes`, the device's arithmetic): over the CTAs
+    of the paired split, each row block's counts add up to its active experts, so exactly one CTA completes it;
+    the flush warp takes as many row blocks as the other warps hand over (one per row-block end in the run)."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    nbd = km.L // kp.MoEDownPipeKey(km.shapes_for_tp(8)).rows_per_item
+    ne, nsh, g = nbd * nact, km.D // 16, kp.H200_SMS
+    got = [0] * nbd
+    for bx in range(g):
+        (lo, hi), _ = kp.paired_split(bx, ne, nsh, g)
+        fl = kp.row_block_flushes(lo, hi, nact)
+        ends = sum(1 for k in range(lo, hi) if k + 1 == hi or (k + 1) // nact != k // nact)
+        assert len(fl) == ends
+        for rb, mine in fl:
+            assert mine >= 1
+            got[rb] += mine
+    assert got == [nact] * nbd
+
+
+def test_proxy_fence_option_drops_only_the_refill_fences(compiler):
+    """fence0 (an option): no fence.proxy.async (ptxas: MEMBAR.ALL.CTA, which waits for the issuing thread's own
+    global stores) before moe_up's and moe_down's ring refills; upfence0 / downfence0 one kernel only."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("fence0") == (dict(proxy_fence=False), dict(proxy_fence=False))
+    assert kp.parse_pipe_variant("downfence0") == ({}, dict(proxy_fence=False))
+    for v in ("fence0", "upfence0", "downfence0"):
+        u, d = kp.parse_pipe_variant(v)
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == v
+    for make in (kp.MoEUpPipeKey, kp.MoEDownPipeKey):
+        assert "fence.proxy.async" in kc.ptx_text(make(s))
+        assert "fence.proxy.async" not in kc.ptx_text(make(s, proxy_fence=False))
 
 
 def test_z_swizzle_puts_a_quarter_warps_b_loads_on_distinct_banks(compiler):

@@ -42,7 +42,7 @@ TRACE_UP = ("start", "wait_done", "ring_issued", "staged") + tuple(
     f"item{n}_{w}" for n in range(TRACE_ITEMS) for w in ("arrived", "done"))
 TRACE_DOWN = ("start", "ring_issued", "wait_done", "staged") + tuple(
     f"item{n}_{w}" for n in range(TRACE_ITEMS) for w in ("arrived", "done")) + (
-    "flush_start", "flush_counted", "allreduce_done")
+    "flush_start", "flush_counted", "allreduce_done", "flusher_end")
 # moe_up's traced build also records, for its first WARP_TRACE_ITEMS items, when each compute warp got past the
 # slot's mbarrier ('waited') and when it had stored its K partials ('computed'), and when the reducing warp
 # (the epilogue warp, or the last compute warp without one) began and ended the item's reduction; these sit
@@ -127,6 +127,13 @@ class MoEUpPipeKey:
     # quarter warp's 16-byte B loads (4 chunks 16 words apart, and at 5-8 tokens two rows) hit 32 distinct banks:
     # unswizzled, chunks 4c + bb of c = 0, 2 and of c = 1, 3 share banks (2-way), 4-way with two rows
     z_swizzle: bool = False
+    # 'fence' (on; fence0 drops it): fence.proxy.async before the bulk copies that refill a ring slot the compute
+    # warps have read (and, with 'pro', before the ring's requests after z was read out of it). ptxas makes it
+    # MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and the membar waits for the issuing thread's own global stores: the
+    # epilogue warp's a rows of the previous item, thread 0's share of the shared SiTU and the zeroing. The
+    # slot's generic reads are complete before the CTA barrier that precedes every refill (their values are in
+    # registers), so a bulk write cannot overtake them: without the fence the refill goes out at once
+    proxy_fence: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -336,7 +343,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     I = sh.inter
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
-    EPI, PRO = key.epilogue_warp, key.prologue
+    EPI, PRO, FENCE = key.epilogue_warp, key.prologue, key.proxy_fence
     THREADS = 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
     NSB = L // SB
     assert I % RB_UP == 0 and WARPS in UP_WARPS and NSB % 4 == 0
@@ -615,7 +622,7 @@ def build_up_pipe(key: MoEUpPipeKey):
             shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that z is in
-            if const_expr(PRO):  # the ring held z: generic-proxy reads before the bulk writes
+            if const_expr(PRO and FENCE):  # the ring held z: generic-proxy reads before the bulk writes
                 cute.arch.fence_view_async_shared()
             if const_expr(ZL):
                 for s in cutlass.range(ST - nz, ST):
@@ -699,7 +706,8 @@ def build_up_pipe(key: MoEUpPipeKey):
             # epilogue warp's first lane)
             if tid == (32 * WARPS if EPI else 0):
                 if item + ST * G < nitems:
-                    cute.arch.fence_view_async_shared()
+                    if const_expr(FENCE):
+                        cute.arch.fence_view_async_shared()
                     issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if warp == (WARPS if EPI else WARPS - 1):
                 if const_expr(TR):
@@ -828,6 +836,13 @@ class MoEDownPipeKey:
     # memory (16 · warps rows per item as before, twice the compute warps: 8 warps per SM left the decode's
     # latency uncovered). Run 23: batch 1 70.4 µs against 71.7, batch 8 233.5 against 234.8 (within the spread)
     ksplit: int = 2
+    proxy_fence: bool = True  # see MoEUpPipeKey.proxy_fence (here only before the producer's refills)
+    # 'fwarp': one more warp that flushes the CTA's finished row-block sums (red.add into the latent partial, the
+    # fence, the counter's atomic) and, if this CTA completed a row block, does its all-reduce read, Σ r² and
+    # re-arm, while the compute and producer warps go on with the next items on their own named barrier; the
+    # row-block sum is double-buffered. Without it all warps do the flush in line (run 27's timeline: the CTAs
+    # that completed a row block between their items ended moe_down up to 5 µs after the others)
+    flush_warp: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -845,6 +860,16 @@ def paired_split(bx: int, ne: int, nsh: int, g: int) -> tuple[tuple[int, int], t
     q_s, r_s = divmod(nsh, g)
     lo_s = j * q_s + min(j, r_s)
     return (lo_e, lo_e + q_e + int(bx < r_e)), (lo_s, lo_s + q_s + int(j < r_s))
+
+
+def row_block_flushes(lo_e: int, hi_e: int, nact: int) -> list[tuple[int, int]]:
+    """(row block, this CTA's expert items of it) for each row block a CTA with expert run [lo_e, hi_e) flushes, in
+    order: what moe_down's flush warp ('fwarp') computes on the device (items are ordered (row block, expert))."""
+    if hi_e <= lo_e:
+        return []
+    nfl = (hi_e - 1) // nact - lo_e // nact + 1
+    return [(rb, min(hi_e, (rb + 1) * nact) - max(lo_e, rb * nact))
+            for rb in range(lo_e // nact, lo_e // nact + nfl)]
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
@@ -865,7 +890,7 @@ def _down_fixed_bytes(key) -> int:
     I, S, n = key.shape.inter, key.shape.shared, PIPE_MAX_M
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
-    sums = 4 * n * key.rows_per_item * (2 if key.async_flush or key.lazy_flush else 1)  # the async flush's all-reduce has its own
+    sums = 4 * n * key.rows_per_item * (2 if key.async_flush or key.lazy_flush or key.flush_warp else 1)  # the async flush's all-reduce has its own
     parts = key.ksplit * key.warps * 32 * 4 * 4 if key.ksplit > 1 else 0  # the K halves' partial sums
     return sums + parts + acts + tables + 640
 
@@ -899,15 +924,21 @@ def build_down_pipe(key: MoEDownPipeKey):
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = PIPE_MAX_M
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
+    FENCE, FW = key.proxy_fence, key.flush_warp
     LAZY = key.lazy_flush and not AFL
     PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
-    THREADS = 32 * (WARPS + int(PROD))  # the producer warp, if any, is warp WARPS
+    assert not (FW and (AFL or key.lazy_flush)), "the flush warp replaces aflush and lazy"
+    MAIN = 32 * (WARPS + int(PROD))  # the compute warps and the producer warp, if any (warp WARPS)
+    FWARP = WARPS + int(PROD)  # the flush warp ('fwarp'), if any
+    THREADS = MAIN + 32 * int(FW)
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
     # WARPS if a step could hold more tokens than there are compute warps
     assert not PROD or WARPS >= MXT, "the producer warp needs at least PIPE_MAX_M compute warps"
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
+    ACC_W = 2 * RBD if FW else RBD  # the row-block sum, double-buffered for the flush warp
+    FW_TOKENS = max(1, 16 // TP)  # tokens a flush-warp lane reads at once in an all-reduce (64 loads at TP16)
     WROW = I // 8  # words per W2 row
     SROW = I // 32
     NSBD = I // SB  # 128-code super-blocks per W2 row
@@ -1001,7 +1032,7 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     @cute.jit
     def add_rows(acc: cute.Tensor, t0: Float32, t1: Float32, t2: Float32, t3: Float32, s_tok: cute.Tensor,
-                 s_we: cute.Tensor, off: Int32, num: Int32, c: Int32, r0: Int32):
+                 s_we: cute.Tensor, off: Int32, num: Int32, c: Int32, r0: Int32, ab):
         """(inlined) the lane's two tokens' routing-weighted sums (t0, t1 of row r0; t2, t3 of row r0 + 8) into
         the CTA's row block sum"""
         tot = [t0, t1, t2, t3]
@@ -1010,8 +1041,8 @@ def build_down_pipe(key: MoEDownPipeKey):
             if n_ < num:
                 t = s_tok[off + n_]
                 w = s_we[off + n_]
-                acc[t, r0] = acc[t, r0] + tot[x_] * w
-                acc[t, r0 + 8] = acc[t, r0 + 8] + tot[2 + x_] * w
+                acc[t, ab + r0] = acc[t, ab + r0] + tot[x_] * w
+                acc[t, ab + r0 + 8] = acc[t, ab + r0 + 8] + tot[2 + x_] * w
 
     @cute.jit
     def flush_rows(rb: Int32, mine: Int32, nact: Int32, acc: cute.Tensor, flag: cute.Tensor, mLat: cute.Tensor,
@@ -1084,6 +1115,84 @@ def build_down_pipe(key: MoEDownPipeKey):
             allreduce_rows(rb, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, zero)
         cute.arch.barrier()
 
+    @cute.jit
+    def flusher(lo_e: Int32, hi_e: Int32, nact: Int32, acc: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                mCnt: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor, mSsq: cute.Tensor, M: Int32, lane: Int32,
+                bx: Int32, mTrace: cute.Tensor):
+        """(the flush warp, inlined; 'fwarp') for each row block of the CTA's expert run [lo_e, hi_e), in order:
+        wait until the other warps hand it over (named barrier 4 + s % 2: they arrive, this warp syncs), add the
+        acc half s % 2 into the rank's latent partial (red.add) and empty it, give the half back (barrier 6 + s % 2,
+        except after the last row block, whose half nobody reuses), then the fence and the counter's atomic of the
+        CTA's expert items of the row block; if that completed the row block: its one-shot all-reduce read (own
+        partial + the peers'), r ⊙ w_norm stored (bf16), Σ r² per token into mSsq, and the counter re-armed. The
+        barriers alternate by parity so that an arrival for row block s + 1 can never fall into row block s's
+        generation."""
+        nfl = Int32(0)
+        if hi_e > lo_e:
+            nfl = (hi_e - 1) // nact - lo_e // nact + 1
+        coef = [mCoef[p_] for p_ in range(TP)]
+        for s_ in cutlass.range(nfl):
+            rb = lo_e // nact + s_
+            ab = (s_ % 2) * RBD
+            mine = cutlass.min(hi_e, (rb + 1) * nact) - cutlass.max(lo_e, rb * nact)
+            if s_ % 2 == 0:
+                cute.arch.barrier(barrier_id=4, number_of_threads=MAIN + 32)
+            else:
+                cute.arch.barrier(barrier_id=5, number_of_threads=MAIN + 32)
+            if const_expr(TR):
+                if lane == 0:
+                    stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
+            for idx in cutlass.range(lane, M * RBD, 32):
+                t = idx // RBD
+                rl = idx - t * RBD
+                cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, ab + rl], op="add", dtype=Float32,
+                              sem="relaxed", scope="gpu")
+                acc[t, ab + rl] = Float32(0.0)
+            if s_ + 1 < nfl:
+                if s_ % 2 == 0:
+                    cute.arch.barrier_arrive(barrier_id=6, number_of_threads=MAIN + 32)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=7, number_of_threads=MAIN + 32)
+            cute.arch.fence_acq_rel_gpu()
+            old = Int32(0)
+            if lane == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+            old = cute.arch.shuffle_sync(old, 0)
+            if const_expr(TR):
+                if lane == 0:
+                    stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
+            if old + mine == nact:  # every expert of the row block is in: its one-shot all-reduce read
+                cute.arch.fence_acq_rel_gpu()
+                for t0 in cutlass.range(0, M, FW_TOKENS):  # FW_TOKENS · RBD / 32 · TP loads in flight a lane
+                    ts = [cutlass.min(t0 + u, M - 1) for u in range(FW_TOKENS)]  # clamped: every load in bounds
+                    tots = []
+                    for u in cutlass.range_constexpr(FW_TOKENS):
+                        for j in cutlass.range_constexpr(RBD // 32):
+                            row = rb * RBD + 32 * j + lane
+                            tot_ = coef[0] * mLat[0, ts[u], row]
+                            for p_ in cutlass.range_constexpr(1, TP):
+                                tot_ = tot_ + coef[p_] * mLat[p_, ts[u], row]
+                            tots.append(tot_)
+                    for u in cutlass.range_constexpr(FW_TOKENS):
+                        sq_ = Float32(0.0)
+                        for j in cutlass.range_constexpr(RBD // 32):
+                            row = rb * RBD + 32 * j + lane
+                            tot_ = tots[u * (RBD // 32) + j]
+                            sq_ = sq_ + tot_ * tot_
+                            if t0 + u < M:
+                                mR[ts[u], row] = (tot_ * mNorm[0, row].to(Float32)).to(BFloat16)
+                        sq_ = cute.arch.warp_reduction_sum(sq_)
+                        if lane == 0 and t0 + u < M:
+                            cute.arch.red(mSsq.iterator + ts[u], sq_, op="add", dtype=Float32, sem="relaxed",
+                                          scope="gpu")
+                if lane == 0:
+                    mCnt[rb] = Int32(0)  # re-arm for the next step
+                    if const_expr(TR):
+                        stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
+        if const_expr(TR):
+            if lane == 0:
+                stamp(mTrace, bx, 7 + 2 * TRACE_ITEMS)
+
     @cute.kernel
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
@@ -1104,7 +1213,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
                                       byte_alignment=128)
-        acc = smem.allocate_tensor(Float32, cute.make_layout((MXT, RBD), stride=(RBD, 1)), byte_alignment=16)
+        acc = smem.allocate_tensor(Float32, cute.make_layout((MXT, ACC_W), stride=(ACC_W, 1)), byte_alignment=16)
         # moe_up's outputs and the routing tables, once, in shared memory: an item's arithmetic waits on no
         # global round trip. a is kept as bf16 pairs in the mma's B order (per 8 codes: (0,4) (2,6) (1,5) (3,7))
         s_a = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT, I // 2), stride=(I // 2, 1)),
@@ -1189,8 +1298,8 @@ def build_down_pipe(key: MoEDownPipeKey):
                 base = mWup.iterator.toint() + Int64((D - PT) * L * 2)
                 for k in cutlass.range(bx, PT_N, G):
                     pf(base + Int64(k) * PF_CHUNK, cutlass.min(PF_CHUNK, PT_BYTES - k * PF_CHUNK))
-        for idx in cutlass.range(tid, MXT * RBD, THREADS):
-            acc[idx // RBD, idx % RBD] = Float32(0.0)
+        for idx in cutlass.range(tid, MXT * ACC_W, THREADS):
+            acc[idx // ACC_W, idx % ACC_W] = Float32(0.0)
         if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
         if const_expr(TR):
@@ -1229,7 +1338,9 @@ def build_down_pipe(key: MoEDownPipeKey):
         pend = Int32(-1)  # (lazy) the row block whose red.adds are out and whose fence and count are pending
         pmine = Int32(0)  # (lazy) its expert items in this CTA
         chk = Int32(-1)  # (aflush) the row block whose completion flag is read after the next CTA barrier
-        for i in cutlass.range(n_items):
+        nsw = Int32(0)  # (fwarp) row blocks handed to the flush warp so far; acc half nsw % 2 takes the sums
+        n_loop = n_items * Int32(warp < FWARP) if FW else n_items  # (fwarp) the flush warp walks no items
+        for i in cutlass.range(n_loop):
             k = lo_e + i + Int32(i >= n_e) * jump
             slot = i % ST
             if k < ne:
@@ -1239,6 +1350,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 num = s_list[jj, 1]
                 pi = off + cutlass.min(g, num - 1)  # this lane's B column: a pair of the expert; clamped
                 r0 = 16 * (warp % RG if KS > 1 else warp) + g
+                ab = (nsw % 2) * RBD if FW else 0  # the acc half this row block's sums go to
                 if warp < WARPS:
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     if const_expr(TR):
@@ -1261,17 +1373,21 @@ def build_down_pipe(key: MoEDownPipeKey):
                         if apend != 0:  # the producer warp has emptied acc (its bar.arrive on barrier 1)
                             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
                     if const_expr(KS == 1):
-                        add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0)
+                        add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0, ab)
                     else:
                         if warp < RG:  # the row group's first warp adds its rows into the CTA's sum
-                            add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0)
-                cute.arch.barrier()  # the slot is free; the row block's sum may be complete
+                            add_rows(acc, tot[0], tot[1], tot[2], tot[3], s_tok, s_we, off, num, c, r0, ab)
+                if const_expr(FW):  # the slot is free; the row block's sum may be complete
+                    cute.arch.barrier(barrier_id=3, number_of_threads=MAIN)
+                else:
+                    cute.arch.barrier()
                 if const_expr(TR):
                     if tid == 0 and i < TRACE_ITEMS:
                         stamp(mTrace, bx, 5 + 2 * i)
                 if tid == REFILL:
                     if i + ST < n_items:
-                        cute.arch.fence_view_async_shared()
+                        if const_expr(FENCE):
+                            cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if const_expr(AFL):
                     apend = Int32(0)  # the compute warps synced on barrier 1 above if it was pending
@@ -1290,7 +1406,19 @@ def build_down_pipe(key: MoEDownPipeKey):
                         complete_row_block(pend, pmine, nact, flag, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid,
                                            bx, mTrace, False)
                         pend = Int32(-1)
-                if const_expr(not AFL):  # every thread adds its share of the row block's sum at once
+                if const_expr(FW):  # hand a finished row block to the flush warp (barriers by parity, see flusher)
+                    if i + 1 == n_e or (k + 1) // nact != rb:
+                        if nsw % 2 == 0:
+                            cute.arch.barrier_arrive(barrier_id=4, number_of_threads=MAIN + 32)
+                        else:
+                            cute.arch.barrier_arrive(barrier_id=5, number_of_threads=MAIN + 32)
+                        if nsw > 0:  # the other half, flushed a row block ago, must be empty again
+                            if nsw % 2 == 0:
+                                cute.arch.barrier(barrier_id=7, number_of_threads=MAIN + 32)
+                            else:
+                                cute.arch.barrier(barrier_id=6, number_of_threads=MAIN + 32)
+                        nsw = nsw + 1
+                if const_expr(not AFL and not FW):  # every thread adds its share of the row block's sum at once
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if const_expr(TR):
                             if tid == 0:
@@ -1338,13 +1466,17 @@ def build_down_pipe(key: MoEDownPipeKey):
                                 p = p + cute.arch.shuffle_sync_bfly(p, offset=GS >> (o + 1))
                             if sgl == 0:
                                 mSh[0, t, n0 + rr] = p.to(BFloat16)
-                cute.arch.barrier()
+                if const_expr(FW):
+                    cute.arch.barrier(barrier_id=3, number_of_threads=MAIN)
+                else:
+                    cute.arch.barrier()
                 if const_expr(TR):
                     if tid == 0 and i < TRACE_ITEMS:
                         stamp(mTrace, bx, 5 + 2 * i)
                 if tid == REFILL:
                     if i + ST < n_items:
-                        cute.arch.fence_view_async_shared()
+                        if const_expr(FENCE):
+                            cute.arch.fence_view_async_shared()
                         issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if const_expr(AFL):
                     if chk >= 0:  # the last row block's flag, stored before this item's barrier
@@ -1368,6 +1500,9 @@ def build_down_pipe(key: MoEDownPipeKey):
             if chk >= 0:
                 if flag[chk % 2] != 0:
                     allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
+        if const_expr(FW):
+            if warp == FWARP:
+                flusher(lo_e, hi_e, nact, acc, mLat, mCoef, mCnt, mR, mNorm, mSsq, M, lane, bx, mTrace)
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
@@ -1412,15 +1547,16 @@ RUN27 = "pair0"  # the run-27 kernels (the defaults from run 27 to run 34)
 # zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "fwarp",
+                "fence0-fwarp")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "fwarp", "fence0-fwarp")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
 _SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
              "zlast": ("up", "z_last"), "bal": ("up", "balance"), "prod": ("down", "producer_warp"),
              "swap": ("down", "swap_shared"), "late": ("down", "late_trigger"), "aflush": ("down", "async_flush"),
-             "pair": ("down", "pair_extras"), "lazy": ("down", "lazy_flush")}
+             "pair": ("down", "pair_extras"), "lazy": ("down", "lazy_flush"), "fwarp": ("down", "flush_warp")}
 
 
 def parse_pipe_variant(text: str) -> tuple[dict, dict]:
@@ -1429,7 +1565,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order; without pair) [on], pair (moe_down
     deals the shared items' extras to the CTAs without an expert extra; replaces swap) [on], lazy (moe_down's
-    flush fence, count and all-reduce an item after the row block's red.adds) [off], late
+    flush fence, count and all-reduce an item after the row block's red.adds) [off], fwarp (moe_down's extra warp
+    flushes finished row blocks and does their all-reduce reads while the other warps go on; not with lazy or
+    aflush) [off], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1470,6 +1608,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
+        elif m := re.fullmatch(r"(up|down)?fence([01]?)", tok):
+            for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
+                side["proxy_fence"] = m.group(2) != "0"
         elif m := re.fullmatch(r"(up|down)?pro([01]?)", tok):
             for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
                 side["prologue"] = m.group(2) != "0"
@@ -1485,7 +1626,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"warp), swap0/swap1 (moe_down's shared items dealt in reverse), pair0/pair1 (moe_down's extras "
                              f"on different CTAs), lazy0/lazy1 (moe_down's deferred flush), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
-                             f"producer warp flushes row blocks), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
+                             f"producer warp flushes row blocks), fwarp (moe_down's flush warp), fence0/upfence0/"
+                             f"downfence0 (no proxy fence before ring refills), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
@@ -1493,6 +1635,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
+    if down.get("flush_warp") and (down.get("async_flush") or down.get("lazy_flush")):
+        raise ValueError(f"fwarp (moe_down's flush warp) replaces aflush and lazy: it cannot go with either; got {text!r}")
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
     if up.get("balance") and (up.get("warps", MoEUpPipeKey.warps) != len(UP_BALANCED_HALVES)
@@ -1543,6 +1687,9 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
         parts.append("pf1")
+    down_fence = down.proxy_fence if isinstance(down, MoEDownPipeKey) else up.proxy_fence
+    if not up.proxy_fence:
+        parts.append("fence0" if not down_fence else "upfence0")
     if isinstance(down, MoEDownPipeKey):
         if up.prologue and not down.prologue:  # the two kernels' prologues set apart
             parts.append("downpro0")
@@ -1566,6 +1713,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("aflush" if down.async_flush else "aflush0")
         if down.ksplit != MoEDownPipeKey.ksplit:
             parts.append(f"downk{down.ksplit}")
+        if up.proxy_fence and not down.proxy_fence:
+            parts.append("downfence0")
+        if down.flush_warp:
+            parts.append("fwarp")
     name = "-".join(parts) or "default"
     return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27"}.get(name, name)
 
