@@ -793,9 +793,9 @@ def test_lazy_flush_option_compiles(compiler):
 
 
 def test_flush_warp_option_compiles_with_its_own_barriers(compiler):
-    """fwarp (an option, off): moe_down gets one more warp that flushes the finished row blocks and does their
-    all-reduce reads; the other warps meet on named barrier 3 (not the CTA-wide barrier 0, which the flush warp
-    no longer reaches after the staging) and hand row blocks over on barriers 4/5 (arrive) and take the emptied
+    """fwarp (an option, off): moe_down gets FLUSH_WARPS more warps that flush the finished row blocks and do their
+    all-reduce reads; the other warps meet on named barrier 3 (not the CTA-wide barrier 0, which the flush warps
+    no longer reach after the staging) and hand row blocks over on barriers 4/5 (arrive) and take the emptied
     half back on 6/7, by parity; the row-block sum is double-buffered; it refuses lazy and aflush; no spill; the
     shared memory fits, at TP8 and TP16."""
     from kimi_decode import compile as kc
@@ -814,10 +814,10 @@ def test_flush_warp_option_compiles_with_its_own_barriers(compiler):
         threads = 32 * (2 * base.warps + 1)  # compute warps (K split in two) and the producer warp
         assert re.search(rf"bar\.sync\s+3, {threads};", ptx)
         for bar, how in ((4, "arrive"), (5, "arrive"), (6, "sync"), (7, "sync")):  # the other warps' side
-            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32};", ptx), (tp, bar)
+            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32 * kp.FLUSH_WARPS};", ptx), (tp, bar)
         for bar, how in ((4, "sync"), (5, "sync"), (6, "arrive"), (7, "arrive")):  # the flush warp's side
-            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32};", ptx), (tp, bar)
-        assert ptx.count("atom.global.acq_rel.add") == 1  # one counter atomic, now on the flush warp
+            assert re.search(rf"bar\.{how}\s+{bar}, {threads + 32 * kp.FLUSH_WARPS};", ptx), (tp, bar)
+        assert ptx.count("atom.global.acq_rel.add") == 1  # one counter atomic, now on the flush warps
         assert kp.down_pipe_smem_bytes(down) - kp.down_pipe_smem_bytes(base) == 4 * kp.PIPE_MAX_M * down.rows_per_item
         res = kc.resource_usage(down)
         assert res["STACK"] == 0 and res["LOCAL"] == 0

@@ -33,6 +33,7 @@ UP_WARPS = (7, 14, 16, 28)
 RB_UP = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3)
 SB = 128  # codes per super-block (16 words of a row)
 H200_SMS = 132
+FLUSH_WARPS = 4  # moe_down's flush warps ('fwarp'): a row block's all-reduce read at 8 tokens in one or two round trips
 PIPE_MAX_M = 8  # tokens per step of the pipelined kernels (activations and tables live in shared memory);
 # more tokens take the direct kernels of kernels/moe.py
 PF_CHUNK = 32768  # bytes per L2 prefetch instruction (cp.async.bulk.prefetch.L2)
@@ -907,10 +908,11 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     from .moe import D
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s, bulk_prefetch_l2
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s, bulk_prefetch_l2, ld_v4_f32, red_add_v4_f32
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
+    ld4, red4 = ld_v4_f32(), red_add_v4_f32()
     PT = key.prefetch_tail_rows
     TR = key.trace
     BAL = key.balanced
@@ -930,15 +932,20 @@ def build_down_pipe(key: MoEDownPipeKey):
     assert PROD or not AFL, "the async flush runs on the producer warp"
     assert not (FW and (AFL or key.lazy_flush)), "the flush warp replaces aflush and lazy"
     MAIN = 32 * (WARPS + int(PROD))  # the compute warps and the producer warp, if any (warp WARPS)
-    FWARP = WARPS + int(PROD)  # the flush warp ('fwarp'), if any
-    THREADS = MAIN + 32 * int(FW)
+    FWARP = WARPS + int(PROD)  # the first flush warp ('fwarp'), if any
+    FW_THREADS = 32 * FLUSH_WARPS  # ('fwarp') the flush warps: warps FWARP ..
+    THREADS = MAIN + (FW_THREADS if FW else 0)
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
     # WARPS if a step could hold more tokens than there are compute warps
     assert not PROD or WARPS >= MXT, "the producer warp needs at least PIPE_MAX_M compute warps"
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     ACC_W = 2 * RBD if FW else RBD  # the row-block sum, double-buffered for the flush warp
-    FW_TOKENS = max(1, 16 // TP)  # tokens a flush-warp lane reads at once in an all-reduce (64 loads at TP16)
+    FW_PEERS = min(TP, 8)  # ranks whose 4-word loads a flush thread has in flight at once in an all-reduce
+    # (token, 4 rows) pairs it reads per round: ptxas (80 registers) does not overlap a second pair's loads with
+    # the first's arithmetic, and below 5 tokens a second pair would be a clamped duplicate, so one
+    FW_PAIRS = 1
+    assert not FW or RBD == 128, "the flush warp gives each lane 4 rows of a row block"
     WROW = I // 8  # words per W2 row
     SROW = I // 32
     NSBD = I // SB  # 128-code super-blocks per W2 row
@@ -1116,81 +1123,88 @@ def build_down_pipe(key: MoEDownPipeKey):
         cute.arch.barrier()
 
     @cute.jit
-    def flusher(lo_e: Int32, hi_e: Int32, nact: Int32, acc: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
-                mCnt: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor, mSsq: cute.Tensor, M: Int32, lane: Int32,
-                bx: Int32, mTrace: cute.Tensor):
-        """(the flush warp, inlined; 'fwarp') for each row block of the CTA's expert run [lo_e, hi_e), in order:
-        wait until the other warps hand it over (named barrier 4 + s % 2: they arrive, this warp syncs), add the
-        acc half s % 2 into the rank's latent partial (red.add) and empty it, give the half back (barrier 6 + s % 2,
-        except after the last row block, whose half nobody reuses), then the fence and the counter's atomic of the
-        CTA's expert items of the row block; if that completed the row block: its one-shot all-reduce read (own
-        partial + the peers'), r ⊙ w_norm stored (bf16), Σ r² per token into mSsq, and the counter re-armed. The
+    def flusher(lo_e: Int32, hi_e: Int32, nact: Int32, acc: cute.Tensor, fflag: cute.Tensor, mLat: cute.Tensor,
+                mCoef: cute.Tensor, mCnt: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor, mSsq: cute.Tensor,
+                M: Int32, f: Int32, bx: Int32, mTrace: cute.Tensor):
+        """(the flush warps, thread f of FW_THREADS, inlined; 'fwarp') for each row block of the CTA's expert run
+        [lo_e, hi_e), in order: wait until the other warps hand it over (named barrier 4 + s % 2: they arrive,
+        these warps sync), add the acc half s % 2 into the rank's latent partial (a 4-word red.add per (token, 4
+        rows)) and empty it, give the half back (barrier 6 + s % 2, except after the last row block, whose half
+        nobody reuses), then the fence and, on thread 0, the counter's atomic of the CTA's expert items of the row
+        block; if that completed the row block: its one-shot all-reduce read (own partial + the peers', a 4-word
+        load per (token, 4 rows) and rank, FW_PAIRS of them in flight a thread), r ⊙ w_norm stored (bf16), Σ r²
+        per token into mSsq (one warp holds one token's 128 rows), and the counter re-armed. The hand-over
         barriers alternate by parity so that an arrival for row block s + 1 can never fall into row block s's
-        generation."""
+        generation; barrier 8 is the flush warps' own."""
+        lane = f % 32
         nfl = Int32(0)
         if hi_e > lo_e:
             nfl = (hi_e - 1) // nact - lo_e // nact + 1
         coef = [mCoef[p_] for p_ in range(TP)]
+        lat = mLat.iterator.toint()
         for s_ in cutlass.range(nfl):
             rb = lo_e // nact + s_
             ab = (s_ % 2) * RBD
             mine = cutlass.min(hi_e, (rb + 1) * nact) - cutlass.max(lo_e, rb * nact)
             if s_ % 2 == 0:
-                cute.arch.barrier(barrier_id=4, number_of_threads=MAIN + 32)
+                cute.arch.barrier(barrier_id=4, number_of_threads=MAIN + FW_THREADS)
             else:
-                cute.arch.barrier(barrier_id=5, number_of_threads=MAIN + 32)
+                cute.arch.barrier(barrier_id=5, number_of_threads=MAIN + FW_THREADS)
             if const_expr(TR):
-                if lane == 0:
+                if f == 0:
                     stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
-            for idx in cutlass.range(lane, M * RBD, 32):
-                t = idx // RBD
-                rl = idx - t * RBD
-                cute.arch.red(mLat.iterator + (t * L + rb * RBD + rl), acc[t, ab + rl], op="add", dtype=Float32,
-                              sem="relaxed", scope="gpu")
-                acc[t, ab + rl] = Float32(0.0)
+            for idx in cutlass.range(f, M * 32, FW_THREADS):  # (token, 4 rows) pairs: RBD == 128
+                t = idx // 32
+                rl = ab + 4 * (idx - 32 * t)
+                red4(lat + Int64(t * L + rb * RBD + rl - ab) * 4, acc[t, rl], acc[t, rl + 1], acc[t, rl + 2],
+                     acc[t, rl + 3])
+                for e_ in cutlass.range_constexpr(4):
+                    acc[t, rl + e_] = Float32(0.0)
             if s_ + 1 < nfl:
                 if s_ % 2 == 0:
-                    cute.arch.barrier_arrive(barrier_id=6, number_of_threads=MAIN + 32)
+                    cute.arch.barrier_arrive(barrier_id=6, number_of_threads=MAIN + FW_THREADS)
                 else:
-                    cute.arch.barrier_arrive(barrier_id=7, number_of_threads=MAIN + 32)
+                    cute.arch.barrier_arrive(barrier_id=7, number_of_threads=MAIN + FW_THREADS)
             cute.arch.fence_acq_rel_gpu()
-            old = Int32(0)
-            if lane == 0:
+            cute.arch.barrier(barrier_id=8, number_of_threads=FW_THREADS)
+            if f == 0:
                 old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
-            old = cute.arch.shuffle_sync(old, 0)
-            if const_expr(TR):
-                if lane == 0:
+                fflag[0] = Int32(old + mine == nact)
+                if const_expr(TR):
                     stamp(mTrace, bx, 5 + 2 * TRACE_ITEMS)
-            if old + mine == nact:  # every expert of the row block is in: its one-shot all-reduce read
+            cute.arch.barrier(barrier_id=8, number_of_threads=FW_THREADS)
+            if fflag[0] != 0:  # every expert of the row block is in: its one-shot all-reduce read
                 cute.arch.fence_acq_rel_gpu()
-                for t0 in cutlass.range(0, M, FW_TOKENS):  # FW_TOKENS · RBD / 32 · TP loads in flight a lane
-                    ts = [cutlass.min(t0 + u, M - 1) for u in range(FW_TOKENS)]  # clamped: every load in bounds
-                    tots = []
-                    for u in cutlass.range_constexpr(FW_TOKENS):
-                        for j in cutlass.range_constexpr(RBD // 32):
-                            row = rb * RBD + 32 * j + lane
-                            tot_ = coef[0] * mLat[0, ts[u], row]
-                            for p_ in cutlass.range_constexpr(1, TP):
-                                tot_ = tot_ + coef[p_] * mLat[p_, ts[u], row]
-                            tots.append(tot_)
-                    for u in cutlass.range_constexpr(FW_TOKENS):
+                for c0 in cutlass.range(f, M * 32, FW_THREADS * FW_PAIRS):
+                    ts = [cutlass.min((c0 + FW_THREADS * u) // 32, M - 1) for u in range(FW_PAIRS)]  # clamped
+                    row = rb * RBD + 4 * lane
+                    tots = [[Float32(0.0)] * 4 for u in range(FW_PAIRS)]
+                    for pc in cutlass.range_constexpr(0, TP, FW_PEERS):  # FW_PEERS ranks' loads in flight at once
+                        parts = [[ld4(lat + Int64((p_ * M + ts[u]) * L + row) * 4) for p_ in range(pc, pc + FW_PEERS)]
+                                 for u in range(FW_PAIRS)]
+                        for u in cutlass.range_constexpr(FW_PAIRS):
+                            for e_ in cutlass.range_constexpr(4):
+                                for j_ in cutlass.range_constexpr(FW_PEERS):
+                                    tots[u][e_] = tots[u][e_] + coef[pc + j_] * parts[u][j_][e_]
+                    for u in cutlass.range_constexpr(FW_PAIRS):
+                        ok = c0 + FW_THREADS * u < M * 32  # the same for the whole warp (one token)
                         sq_ = Float32(0.0)
-                        for j in cutlass.range_constexpr(RBD // 32):
-                            row = rb * RBD + 32 * j + lane
-                            tot_ = tots[u * (RBD // 32) + j]
+                        for e_ in cutlass.range_constexpr(4):
+                            tot_ = tots[u][e_]
                             sq_ = sq_ + tot_ * tot_
-                            if t0 + u < M:
-                                mR[ts[u], row] = (tot_ * mNorm[0, row].to(Float32)).to(BFloat16)
+                            if ok:
+                                mR[ts[u], row + e_] = (tot_ * mNorm[0, row + e_].to(Float32)).to(BFloat16)
                         sq_ = cute.arch.warp_reduction_sum(sq_)
-                        if lane == 0 and t0 + u < M:
+                        if lane == 0 and ok:
                             cute.arch.red(mSsq.iterator + ts[u], sq_, op="add", dtype=Float32, sem="relaxed",
                                           scope="gpu")
-                if lane == 0:
+                if f == 0:
                     mCnt[rb] = Int32(0)  # re-arm for the next step
                     if const_expr(TR):
                         stamp(mTrace, bx, 6 + 2 * TRACE_ITEMS)
+            cute.arch.barrier(barrier_id=8, number_of_threads=FW_THREADS)  # fflag is free for the next row block
         if const_expr(TR):
-            if lane == 0:
+            if f == 0:
                 stamp(mTrace, bx, 7 + 2 * TRACE_ITEMS)
 
     @cute.kernel
@@ -1409,14 +1423,14 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if const_expr(FW):  # hand a finished row block to the flush warp (barriers by parity, see flusher)
                     if i + 1 == n_e or (k + 1) // nact != rb:
                         if nsw % 2 == 0:
-                            cute.arch.barrier_arrive(barrier_id=4, number_of_threads=MAIN + 32)
+                            cute.arch.barrier_arrive(barrier_id=4, number_of_threads=MAIN + FW_THREADS)
                         else:
-                            cute.arch.barrier_arrive(barrier_id=5, number_of_threads=MAIN + 32)
+                            cute.arch.barrier_arrive(barrier_id=5, number_of_threads=MAIN + FW_THREADS)
                         if nsw > 0:  # the other half, flushed a row block ago, must be empty again
                             if nsw % 2 == 0:
-                                cute.arch.barrier(barrier_id=7, number_of_threads=MAIN + 32)
+                                cute.arch.barrier(barrier_id=7, number_of_threads=MAIN + FW_THREADS)
                             else:
-                                cute.arch.barrier(barrier_id=6, number_of_threads=MAIN + 32)
+                                cute.arch.barrier(barrier_id=6, number_of_threads=MAIN + FW_THREADS)
                         nsw = nsw + 1
                 if const_expr(not AFL and not FW):  # every thread adds its share of the row block's sum at once
                     if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
@@ -1501,8 +1515,8 @@ def build_down_pipe(key: MoEDownPipeKey):
                 if flag[chk % 2] != 0:
                     allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
         if const_expr(FW):
-            if warp == FWARP:
-                flusher(lo_e, hi_e, nact, acc, mLat, mCoef, mCnt, mR, mNorm, mSsq, M, lane, bx, mTrace)
+            if warp >= FWARP:
+                flusher(lo_e, hi_e, nact, acc, flag, mLat, mCoef, mCnt, mR, mNorm, mSsq, M, tid - MAIN, bx, mTrace)
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)

@@ -13,6 +13,9 @@
     as_f32(bits) -> Float32            an Int32's bits read as fp32 (f32_bits: the reverse)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
+    ld_v4_f32(addr) -> [4 Float32]     ld.relaxed.gpu.global.v4.f32 (16-byte aligned; volatile: stays in order
+                                       with fences)
+    red_add_v4_f32(addr, a, b, c, d)   red.relaxed.gpu.global.add.v4.f32 (sm_90): four fp32 added in one request
     timestamps() -> (ns, clk)          %globaltimer (ns, common to all SMs) and %clock64 (this SM's cycles),
                                        read where the call stands (volatile), for kernel timelines
 
@@ -101,6 +104,22 @@ def _ops():
                 Float32(llvm.bitcast(T.f32(), hi.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)))
 
     @dsl_user_op
+    def ld_v4_f32(addr, *, loc=None, ip=None):
+        """four consecutive fp32 from global memory (16-byte aligned) in one relaxed gpu-scope load, which stays
+        in program order with the fences around it"""
+        res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+                              "ld.relaxed.gpu.global.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+                              has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                              loc=loc, ip=ip)
+        return [Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(4)]
+
+    @dsl_user_op
+    def red_add_v4_f32(addr, a, b, c, d, *, loc=None, ip=None):
+        """four fp32 added into consecutive global words (16-byte aligned) in one relaxed gpu-scope reduction"""
+        asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+            "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", loc, ip)
+
+    @dsl_user_op
     def timestamps(*, loc=None, ip=None):
         res = llvm.inline_asm(llvm.StructType.get_literal([T.i64(), T.i64()]), [],
                               "mov.u64 $0, %globaltimer; mov.u64 $1, %clock64;", "=l,=l", has_side_effects=True,
@@ -109,7 +128,8 @@ def _ops():
 
     _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, mma_f16=mma_f16,
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
-                bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps)
+                bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
+                ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32)
     return _OPS
 
 
@@ -122,6 +142,6 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps) = (_accessor(n) for n in (
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32) = (_accessor(n) for n in (
     "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
-    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps"))
+    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32"))
