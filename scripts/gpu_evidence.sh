@@ -32,7 +32,7 @@ stage_cmd() {
     compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
     compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
-    moe-bench) echo "$KD moe --executors stock,fused,fused@run27,fused-direct,fused-pipeup,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
+    moe-bench) echo "$KD moe --executors stock,fused,fused@run35,fused@run27,fused-direct,fused-pipeup,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
     moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv.xz" ;;
     moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
@@ -46,6 +46,7 @@ stage_cmd() {
     trace-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_moe_trace.py" ;;
     moe-breakdown-run24) echo "$KD moe --breakdown --executors fused,fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run24_h200_tp8.csv" ;;
     moe-trace-run24) echo "$KD moe --trace --executors fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_run24_h200_tp8.csv.xz" ;;
+    moe-breakdown-run35) echo "$KD moe --breakdown --executors fused,fused@run35 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run35_h200_tp8.csv" ;;
     moe-breakdown-run27) echo "$KD moe --breakdown --executors fused,fused@run27 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run27_h200_tp8.csv" ;;
     moe-breakdown-run20) echo "$KD moe --breakdown --executors fused,fused@run20 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run20_h200_tp8.csv" ;;
     moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_h200_tp8.csv" ;;

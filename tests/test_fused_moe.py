@@ -263,10 +263,13 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
     assert kp.parse_pipe_variant("run17") == (dict(prologue=False, epilogue_warp=False, early_slots=1, decode=1,
                                                    pad_rows=False),
                                               dict(prologue=False, producer_warp=False, swap_shared=False,
-                                                   pair_extras=False, late_trigger=False, decode=1, ksplit=1))
+                                                   pair_extras=False, late_trigger=False, decode=1, ksplit=1,
+                                                   flush_warp=False))
     assert kp.parse_pipe_variant("run20") == (dict(decode=1, pad_rows=False),
-                                              dict(pair_extras=False, late_trigger=False, decode=1, ksplit=1))
-    assert kp.parse_pipe_variant("run27") == ({}, dict(pair_extras=False))
+                                              dict(pair_extras=False, late_trigger=False, decode=1, ksplit=1,
+                                                   flush_warp=False))
+    assert kp.parse_pipe_variant("run27") == ({}, dict(pair_extras=False, flush_warp=False))
+    assert kp.parse_pipe_variant("run35") == ({}, dict(flush_warp=False))
     # run17 is expanded where it stands: what follows it changes it
     assert kp.parse_pipe_variant("run17-swap1")[1]["swap_shared"] is True
     assert kp.parse_pipe_variant("swap1-run17")[1]["swap_shared"] is False
@@ -658,8 +661,8 @@ def test_late_trigger_and_async_flush_options(compiler):
         u, d = kp.parse_pipe_variant(v)
         down = kp.MoEDownPipeKey(s, **d)
         assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == name
-    base, late, afl = (kp.MoEDownPipeKey(s, late_trigger=False), kp.MoEDownPipeKey(s),
-                       kp.MoEDownPipeKey(s, late_trigger=False, async_flush=True))
+    base, late, afl = (kp.MoEDownPipeKey(s, late_trigger=False, flush_warp=False), kp.MoEDownPipeKey(s),
+                       kp.MoEDownPipeKey(s, late_trigger=False, async_flush=True, flush_warp=False))
     assert kp.down_pipe_smem_bytes(afl) == kp.down_pipe_smem_bytes(base) + 4 * kp.PIPE_MAX_M * base.rows_per_item
 
     def ptx(key):
@@ -697,7 +700,7 @@ def test_item_rate_options(compiler):
     assert (up.warps, up.decode, up.pad_rows, down.decode, down.ksplit) == (28, 3, True, 3, 2)
     assert kp.pipe_variant_name(up, down) == "upw28"
     u, d = kp.parse_pipe_variant("run20-upw28")
-    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-pair0-late0-downk1"
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == "upw28-dec1-pad0-pair0-late0-downk1-fwarp0"
     assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
 
     def count(key, what):
@@ -767,7 +770,7 @@ def test_paired_extras_split_covers_every_item_once(compiler):
         both = sum(1 for (a, b) in runs if a[1] - a[0] > ne // G and b[1] - b[0] > nsh // G)
         assert both == max(0, ne % G + nsh % G - G), (ne, nsh, both)
     assert max(sum(r[1] - r[0] for r in kp.paired_split(bx, 448, 448, G)) for bx in range(G)) == 7
-    down, old = kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, **kp.parse_pipe_variant("pair0")[1])
+    down, old = kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, **kp.parse_pipe_variant("pair0-fwarp0")[1])
     assert down.pair_extras and not old.pair_extras  # the default since run 35
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), old) == "run27"
     assert kc.resource_usage(down)["STACK"] == 0
@@ -784,7 +787,7 @@ def test_lazy_flush_option_compiles(compiler):
     u, d = kp.parse_pipe_variant("lazy")
     down = kp.MoEDownPipeKey(s, **d)
     assert down.lazy_flush and down.pair_extras and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), down) == "lazy"
-    ptx, base = kc.ptx_text(down), kc.ptx_text(kp.MoEDownPipeKey(s))
+    ptx, base = kc.ptx_text(down), kc.ptx_text(kp.MoEDownPipeKey(s, flush_warp=False))
     # the counter's atomic where a flush completes: after an expert item, after a shared item, after the last item
     assert ptx.count("atom.global.acq_rel.add") == 3 and base.count("atom.global.acq_rel.add") == 1
     res = kc.resource_usage(down)
@@ -793,23 +796,25 @@ def test_lazy_flush_option_compiles(compiler):
 
 
 def test_flush_warp_option_compiles_with_its_own_barriers(compiler):
-    """fwarp (an option, off): moe_down gets FLUSH_WARPS more warps that flush the finished row blocks and do their
+    """fwarp (the default since run 39): moe_down gets FLUSH_WARPS more warps that flush the finished row blocks and do their
     all-reduce reads; the other warps meet on named barrier 3 (not the CTA-wide barrier 0, which the flush warps
     no longer reach after the staging) and hand row blocks over on barriers 4/5 (arrive) and take the emptied
-    half back on 6/7, by parity; the row-block sum is double-buffered; it refuses lazy and aflush; no spill; the
-    shared memory fits, at TP8 and TP16."""
+    half back on 6/7, by parity; the row-block sum is double-buffered; lazy and aflush turn it off and refuse it
+    spelled out; no spill; the shared memory fits, at TP8 and TP16."""
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     u, d = kp.parse_pipe_variant("fwarp")
-    assert u == {} and d == dict(flush_warp=True)
+    assert u == {} and d == dict(flush_warp=True) and kp.MoEDownPipeKey.flush_warp
     for bad in ("fwarp-lazy", "fwarp-aflush"):
         with pytest.raises(ValueError, match="fwarp"):
             kp.parse_pipe_variant(bad)
+    assert kp.parse_pipe_variant("lazy")[1] == dict(lazy_flush=True, flush_warp=False)
     for tp in (8, 16):
         s = km.shapes_for_tp(tp)
-        down, base = kp.MoEDownPipeKey(s, **d), kp.MoEDownPipeKey(s)
-        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), down) == "fwarp"
+        down, base = kp.MoEDownPipeKey(s, **d), kp.MoEDownPipeKey(s, flush_warp=False)
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), down) == "default"
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), base) == "run35"
         ptx = kc.ptx_text(down)
         threads = 32 * (2 * base.warps + 1)  # compute warps (K split in two) and the producer warp
         assert re.search(rf"bar\.sync\s+3, {threads};", ptx)

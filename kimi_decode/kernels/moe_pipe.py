@@ -838,12 +838,14 @@ class MoEDownPipeKey:
     # latency uncovered). Run 23: batch 1 70.4 µs against 71.7, batch 8 233.5 against 234.8 (within the spread)
     ksplit: int = 2
     proxy_fence: bool = True  # see MoEUpPipeKey.proxy_fence (here only before the producer's refills)
-    # 'fwarp': one more warp that flushes the CTA's finished row-block sums (red.add into the latent partial, the
-    # fence, the counter's atomic) and, if this CTA completed a row block, does its all-reduce read, Σ r² and
+    # 'fwarp': FLUSH_WARPS more warps that flush the CTA's finished row-block sums (red.add into the latent partial,
+    # the fence, the counter's atomic) and, if this CTA completed a row block, do its all-reduce read, Σ r² and
     # re-arm, while the compute and producer warps go on with the next items on their own named barrier; the
-    # row-block sum is double-buffered. Without it all warps do the flush in line (run 27's timeline: the CTAs
-    # that completed a row block between their items ended moe_down up to 5 µs after the others)
-    flush_warp: bool = False
+    # row-block sum is double-buffered. Without it all warps do the flush in line: the CTAs that completed a row
+    # block between their items ended moe_down up to 5 µs after the others (runs 27 and 37). One flush warp (run
+    # 36) read the all-reduce too slowly; four (run 38): batch 1 66.6 µs against 68.6, batch 8 221.4 against
+    # 226.9. The default since run 39 ('run35' keeps the kernels before; lazy and aflush imply fwarp0)
+    flush_warp: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -1549,10 +1551,11 @@ def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
 
 
 # earlier package defaults, kept for comparison, spelled as pipe_variant_name writes them
-RUN20 = "dec1-pad0-pair0-late0-downk1"  # the run-20 kernels (the defaults from run 20 to run 23)
-RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-pair0-late0-downk1"  # the run-17 kernels (the defaults before run 19)
-RUN24 = "dec2-pair0"  # the run-24 kernels (the defaults from run 24 to run 26)
-RUN27 = "pair0"  # the run-27 kernels (the defaults from run 27 to run 34)
+RUN20 = "dec1-pad0-pair0-late0-downk1-fwarp0"  # the run-20 kernels (the defaults from run 20 to run 23)
+RUN17 = "pro0-epi0-dec1-pad0-prod0-swap0-pair0-late0-downk1-fwarp0"  # the run-17 kernels (the defaults before run 19)
+RUN24 = "dec2-pair0-fwarp0"  # the run-24 kernels (the defaults from run 24 to run 26)
+RUN27 = "pair0-fwarp0"  # the run-27 kernels (the defaults from run 27 to run 34)
+RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # the variants compiled ahead of time at TP8 for on-GPU comparisons (`kimi-decode moe --executors fused@...`): the
 # run-20 and run-17 kernels, each later option turned off alone, the async flush (measured slower, run 22) and
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
@@ -1561,9 +1564,8 @@ RUN27 = "pair0"  # the run-27 kernels (the defaults from run 27 to run 34)
 # zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "fwarp",
-                "fence0-fwarp")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "fwarp", "fence0-fwarp")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1579,9 +1581,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pro (both kernels' prologues in one bulk round trip each) [on], epi (moe_up's epilogue warp) [on], prod
     (moe_down's producer warp) [on], swap (moe_down deals its shared items in reverse CTA order; without pair) [on], pair (moe_down
     deals the shared items' extras to the CTAs without an expert extra; replaces swap) [on], lazy (moe_down's
-    flush fence, count and all-reduce an item after the row block's red.adds) [off], fwarp (moe_down's extra warp
-    flushes finished row blocks and does their all-reduce reads while the other warps go on; not with lazy or
-    aflush) [off], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
+    flush fence, count and all-reduce an item after the row block's red.adds) [off], fwarp (moe_down's extra warps
+    flush finished row blocks and do their all-reduce reads while the other warps go on; lazy and aflush imply
+    fwarp0) [on], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1595,7 +1597,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
-    runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run20 = RUN20 (the defaults of runs 20-23), run17 =
+    runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run35 = RUN35 (the defaults of runs 35-38), run20 = RUN20 (the defaults of runs 20-23), run17 =
     RUN17 (run 17's kernels), each expanded
     where it stands, so that 'run17-swap1' is run
     17's kernels with the swap.
@@ -1604,7 +1606,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
 
     up, down = {}, {}
     toks = text.split("-") if text else ["?"]
-    for alias, spelled in (("run17", RUN17), ("run20", RUN20), ("run24", RUN24), ("run27", RUN27)):
+    for alias, spelled in (("run17", RUN17), ("run20", RUN20), ("run24", RUN24), ("run27", RUN27), ("run35", RUN35)):
         if alias in toks:  # expanded in place, so that options after it change it
             i = toks.index(alias)
             toks = toks[:i] + spelled.split("-") + toks[i + 1:]
@@ -1649,8 +1651,11 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
-    if down.get("flush_warp") and (down.get("async_flush") or down.get("lazy_flush")):
-        raise ValueError(f"fwarp (moe_down's flush warp) replaces aflush and lazy: it cannot go with either; got {text!r}")
+    if down.get("async_flush") or down.get("lazy_flush"):  # the in-line flushes: alternatives to the flush warps
+        if down.get("flush_warp"):
+            raise ValueError(f"fwarp (moe_down's flush warps) replaces aflush and lazy: it cannot go with either; "
+                             f"got {text!r}")
+        down["flush_warp"] = False
     if down.get("async_flush", MoEDownPipeKey.async_flush) and not down.get("producer_warp", MoEDownPipeKey.producer_warp):
         raise ValueError(f"aflush runs on moe_down's producer warp: it cannot go with prod0; got {text!r}")
     if up.get("balance") and (up.get("warps", MoEUpPipeKey.warps) != len(UP_BALANCED_HALVES)
@@ -1729,10 +1734,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append(f"downk{down.ksplit}")
         if up.proxy_fence and not down.proxy_fence:
             parts.append("downfence0")
-        if down.flush_warp:
-            parts.append("fwarp")
+        if down.flush_warp != MoEDownPipeKey.flush_warp and not (down.lazy_flush or down.async_flush):
+            parts.append("fwarp" if down.flush_warp else "fwarp0")
     name = "-".join(parts) or "default"
-    return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27"}.get(name, name)
+    return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27", RUN35: "run35"}.get(name, name)
 
 
 def _aot_keys(kind: str):
