@@ -5,8 +5,8 @@ each kernel alone. Neither says *why* a launch takes as long as it does. The tim
 kernels (`FusedMoE(trace=True)`, `kernels.moe_pipe.MoEUpPipeKey(trace=True)` and the down key) record, per CTA,
 %globaltimer (ns, one clock for the whole GPU) and %clock64 at named checkpoints (`TRACE_UP`, `TRACE_DOWN`):
 the start, the end of the wait for the previous launch, the first ring requests, the end of the staging, each
-item's slot arrival and completion, moe_down's row-block flush and all-reduce read, the end; and for moe_up's first
-items (`WARP_TRACE_ITEMS`), per warp, when it passed the slot's mbarrier and when it had stored its K partials, and
+item's slot arrival and completion, moe_down's row-block flush and all-reduce read (by its flush warps since run
+39, whose end is 'flusher_end'), the end; and for moe_up's first items (`WARP_TRACE_ITEMS`), per warp, when it passed the slot's mbarrier and when it had stored its K partials, and
 when the reducing warp began and ended the item's reduction (`warp_item_summary`).
 
 `run_moe_trace` times the traced step like the sweep (L2 rotated over layer copies), then replays the graph
