@@ -850,6 +850,24 @@ def test_flush_warp_row_blocks_add_up_to_every_expert_once(nact):
     assert got == [nact] * nbd
 
 
+def test_spin_option_polls_the_slot_mbarriers(compiler):
+    """spin (an option, off): the compute warps of moe_up and moe_down wait for their slots with a
+    mbarrier.test_wait loop (no suspend) instead of try_wait; upspin / downspin one kernel only; no spill."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("spin") == (dict(spin_wait=True), dict(spin_wait=True))
+    for v in ("spin", "upspin", "downspin"):
+        u, d = kp.parse_pipe_variant(v)
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == v
+    for make in (kp.MoEUpPipeKey, kp.MoEDownPipeKey):
+        assert "mbarrier.test_wait" not in kc.ptx_text(make(s))
+        key = make(s, spin_wait=True)
+        assert "mbarrier.test_wait.parity.shared::cta.b64" in kc.ptx_text(key)
+        assert kc.resource_usage(key)["STACK"] == 0
+
+
 def test_proxy_fence_option_drops_only_the_refill_fences(compiler):
     """fence0 (an option): no fence.proxy.async (ptxas: MEMBAR.ALL.CTA, which waits for the issuing thread's own
     global stores) before moe_up's and moe_down's ring refills; upfence0 / downfence0 one kernel only."""

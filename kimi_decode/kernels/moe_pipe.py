@@ -135,6 +135,11 @@ class MoEUpPipeKey:
     # slot's generic reads are complete before the CTA barrier that precedes every refill (their values are in
     # registers), so a bulk write cannot overtake them: without the fence the refill goes out at once
     proxy_fence: bool = True
+    # 'spin': the compute warps wait for an item's slot by polling mbarrier.test_wait instead of the DSL's
+    # try_wait loop, which ptxas pairs with NANOSLEEP.SYNCS: the timelines of runs 35-39 show about 470 cycles
+    # between an item's barrier and the next slot's wait passing, at batch 1 and 8 alike, in a path of some 40
+    # instructions; if that is the sleeping warps' wake-up, polling removes it
+    spin_wait: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -338,10 +343,11 @@ def build_up_pipe(key: MoEUpPipeKey):
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bulk_g2s, bulk_prefetch_l2
+    from .ptx_ops import bulk_g2s, bulk_prefetch_l2, mbar_spin_wait
 
     sh = key.shape
     I = sh.inter
+    spin = mbar_spin_wait()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = PIPE_MAX_M
     EPI, PRO, FENCE = key.epilogue_warp, key.prologue, key.proxy_fence
@@ -654,7 +660,10 @@ def build_up_pipe(key: MoEUpPipeKey):
             buf = n % NB
             if warp < WARPS:  # the compute warps (all of them without an epilogue warp)
                 t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
-                cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+                if const_expr(key.spin_wait):
+                    spin((bars.iterator + slot).toint(), (n // ST) % 2)
+                else:
+                    cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
                 if const_expr(TR):
                     if tid == 0 and n < TRACE_ITEMS:
                         stamp(mTrace, bx, 4 + 2 * n)
@@ -838,6 +847,7 @@ class MoEDownPipeKey:
     # latency uncovered). Run 23: batch 1 70.4 µs against 71.7, batch 8 233.5 against 234.8 (within the spread)
     ksplit: int = 2
     proxy_fence: bool = True  # see MoEUpPipeKey.proxy_fence (here only before the producer's refills)
+    spin_wait: bool = False  # see MoEUpPipeKey.spin_wait (moe_down's compute warps' slot waits)
     # 'fwarp': FLUSH_WARPS more warps that flush the CTA's finished row-block sums (red.add into the latent partial,
     # the fence, the counter's atomic) and, if this CTA completed a row block, do its all-reduce read, Σ r² and
     # re-arm, while the compute and producer warps go on with the next items on their own named barrier; the
@@ -910,11 +920,11 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     from .moe import D
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s, bulk_prefetch_l2, ld_v4_f32, red_add_v4_f32
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s, bulk_prefetch_l2, ld_v4_f32, mbar_spin_wait, red_add_v4_f32
 
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
-    ld4, red4 = ld_v4_f32(), red_add_v4_f32()
+    ld4, red4, spin = ld_v4_f32(), red_add_v4_f32(), mbar_spin_wait()
     PT = key.prefetch_tail_rows
     TR = key.trace
     BAL = key.balanced
@@ -1368,7 +1378,10 @@ def build_down_pipe(key: MoEDownPipeKey):
                 r0 = 16 * (warp % RG if KS > 1 else warp) + g
                 ab = (nsw % 2) * RBD if FW else 0  # the acc half this row block's sums go to
                 if warp < WARPS:
-                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    if const_expr(key.spin_wait):
+                        spin((bars.iterator + slot).toint(), (i // ST) % 2)
+                    else:
+                        cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     if const_expr(TR):
                         if tid == 0 and i < TRACE_ITEMS:
                             stamp(mTrace, bx, 4 + 2 * i)
@@ -1457,7 +1470,10 @@ def build_down_pipe(key: MoEDownPipeKey):
                 sgrp = lane // GS
                 sgl = lane - sgrp * GS
                 if warp < SHW:
-                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    if const_expr(key.spin_wait):
+                        spin((bars.iterator + slot).toint(), (i // ST) % 2)
+                    else:
+                        cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     if const_expr(TR):
                         if tid == 0 and i < TRACE_ITEMS:
                             stamp(mTrace, bx, 4 + 2 * i)
@@ -1564,8 +1580,8 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1583,7 +1599,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     deals the shared items' extras to the CTAs without an expert extra; replaces swap) [on], lazy (moe_down's
     flush fence, count and all-reduce an item after the row block's red.adds) [off], fwarp (moe_down's extra warps
     flush finished row blocks and do their all-reduce reads while the other warps go on; lazy and aflush imply
-    fwarp0) [on], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
+    fwarp0) [on], spin (both kernels' compute warps poll their slots' mbarriers; upspin / downspin one
+    kernel's) [off], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1624,6 +1641,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
+        elif m := re.fullmatch(r"(up|down)?spin([01]?)", tok):
+            for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
+                side["spin_wait"] = m.group(2) != "0"
         elif m := re.fullmatch(r"(up|down)?fence([01]?)", tok):
             for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
                 side["proxy_fence"] = m.group(2) != "0"
@@ -1643,7 +1663,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"on different CTAs), lazy0/lazy1 (moe_down's deferred flush), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), fwarp (moe_down's flush warp), fence0/upfence0/"
-                             f"downfence0 (no proxy fence before ring refills), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
+                             f"downfence0 (no proxy fence before ring refills), spin/upspin/downspin (polled slot waits), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
@@ -1709,6 +1729,9 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     down_fence = down.proxy_fence if isinstance(down, MoEDownPipeKey) else up.proxy_fence
     if not up.proxy_fence:
         parts.append("fence0" if not down_fence else "upfence0")
+    down_spin = down.spin_wait if isinstance(down, MoEDownPipeKey) else up.spin_wait
+    if up.spin_wait:
+        parts.append("spin" if down_spin else "upspin")
     if isinstance(down, MoEDownPipeKey):
         if up.prologue and not down.prologue:  # the two kernels' prologues set apart
             parts.append("downpro0")
@@ -1734,6 +1757,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append(f"downk{down.ksplit}")
         if up.proxy_fence and not down.proxy_fence:
             parts.append("downfence0")
+        if down.spin_wait and not up.spin_wait:
+            parts.append("downspin")
         if down.flush_warp != MoEDownPipeKey.flush_warp and not (down.lazy_flush or down.async_flush):
             parts.append("fwarp" if down.flush_warp else "fwarp0")
     name = "-".join(parts) or "default"

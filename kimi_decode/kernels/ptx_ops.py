@@ -16,6 +16,7 @@
     ld_v4_f32(addr) -> [4 Float32]     ld.relaxed.gpu.global.v4.f32 (16-byte aligned; volatile: stays in order
                                        with fences)
     red_add_v4_f32(addr, a, b, c, d)   red.relaxed.gpu.global.add.v4.f32 (sm_90): four fp32 added in one request
+    mbar_spin_wait(mbar, phase)        poll mbarrier.test_wait.parity until the phase completes (no suspend)
     timestamps() -> (ns, clk)          %globaltimer (ns, common to all SMs) and %clock64 (this SM's cycles),
                                        read where the call stands (volatile), for kernel timelines
 
@@ -120,6 +121,14 @@ def _ops():
             "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", loc, ip)
 
     @dsl_user_op
+    def mbar_spin_wait(mbar, phase, *, loc=None, ip=None):
+        """wait for phase `phase` of the mbarrier at shared address `mbar` by polling mbarrier.test_wait (no
+        suspend, unlike try_wait's loop, which ptxas pairs with NANOSLEEP.SYNCS)"""
+        asm(None, [Int32(mbar).ir_value(loc=loc, ip=ip), Int32(phase).ir_value(loc=loc, ip=ip)],
+            "{\n.reg .pred p;\nSPIN_WAIT:\nmbarrier.test_wait.parity.shared::cta.b64 p, [$0], $1;\n@!p bra SPIN_WAIT;\n}",
+            "r,r", loc, ip)
+
+    @dsl_user_op
     def timestamps(*, loc=None, ip=None):
         res = llvm.inline_asm(llvm.StructType.get_literal([T.i64(), T.i64()]), [],
                               "mov.u64 $0, %globaltimer; mov.u64 $1, %clock64;", "=l,=l", has_side_effects=True,
@@ -129,7 +138,7 @@ def _ops():
     _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, mma_f16=mma_f16,
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
                 bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
-                ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32)
+                ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait)
     return _OPS
 
 
@@ -142,6 +151,6 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps, ld_v4_f32, red_add_v4_f32) = (_accessor(n) for n in (
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait) = (_accessor(n) for n in (
     "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
-    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32"))
+    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait"))
