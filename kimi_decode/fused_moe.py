@@ -86,12 +86,12 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
         up_key, name = kp.MoEUpPipeKey(shape, pdl=pdl, arch=arch, trace=trace, **pup_kw), experts
         if experts == "pipe":
             down_key = kp.MoEDownPipeKey(shape, pdl=pdl, arch=arch, trace=trace, **pdown_kw)
-            cap = kp.down_pipe_capacity(down_key)
+            cap = min(kp.down_pipe_capacity(down_key), up_key.max_tokens)
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
-                                       f"1..{cap} (its moe_down accumulator holds {cap} tokens)")
+                                       f"1..{cap} (its expert kernels hold {cap} tokens)")
     if trace and not (isinstance(up_key, kp.MoEUpPipeKey) and isinstance(down_key, kp.MoEDownPipeKey)):
         raise UnsupportedConfiguration("timeline tracing", f"{name} kernels at {tokens} tokens",
                                        f"the pipelined expert kernels (experts='pipe', 1..{kp.PIPE_MAX_M} tokens)")

@@ -429,8 +429,14 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
     """The defaults (one-round-trip prologues, the extra warps, the reversed shared split) and each of them
     turned off (and run 17's kernels) give the reference, at every token count the pipelined kernels take
     (1..8; z and a staged for each token)."""
+    from kimi_decode.kernels.moe_pipe import MoEUpPipeKey, parse_pipe_variant
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch * tokens, D, seed=90 + batch * tokens, device="cuda")
+    cap = parse_pipe_variant(variant)[0].get("max_tokens", MoEUpPipeKey.max_tokens) if variant else 8
+    if batch * tokens > cap:  # a build for fewer tokens refuses more, before any launch
+        with pytest.raises(UnsupportedConfiguration, match="expert kernels hold"):
+            FusedMoE(w8, x, variant=variant)
+        return
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
     assert r["all_written"] and r["check_ok"], r
 
@@ -866,6 +872,25 @@ def test_spin_option_polls_the_slot_mbarriers(compiler):
         key = make(s, spin_wait=True)
         assert "mbarrier.test_wait.parity.shared::cta.b64" in kc.ptx_text(key)
         assert kc.resource_usage(key)["STACK"] == 0
+
+
+def test_fewer_token_build_makes_room_for_a_fifth_moe_up_slot(compiler):
+    """upst5-upmax4 (an option): moe_up staged for at most 4 tokens has room for 5 ring slots (with 8 tokens 5 do
+    not fit); the executor refuses more tokens than the build holds, before any launch; no spill."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("upst5-upmax4")
+    assert u == dict(stages=5, max_tokens=4) and d == {}
+    key = kp.MoEUpPipeKey(s, **u)
+    assert kp.pipe_variant_name(key, kp.MoEDownPipeKey(s)) == "upst5-upmax4"
+    assert kp.up_pipe_smem_bytes(key) <= kp.SMEM_BUDGET < kp.up_pipe_smem_bytes(kp.MoEUpPipeKey(s, stages=5))
+    assert kc.resource_usage(key)["STACK"] == 0
+    from kimi_decode.fused_moe import expert_kernel_keys
+    assert expert_kernel_keys(s, 4, variant="upst5-upmax4")[0] == key
+    with pytest.raises(UnsupportedConfiguration, match="expert kernels hold"):
+        expert_kernel_keys(s, 5, variant="upst5-upmax4")
 
 
 def test_proxy_fence_option_drops_only_the_refill_fences(compiler):

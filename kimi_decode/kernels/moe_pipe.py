@@ -140,6 +140,11 @@ class MoEUpPipeKey:
     # between an item's barrier and the next slot's wait passing, at batch 1 and 8 alike, in a path of some 40
     # instructions; if that is the sleeping warps' wake-up, polling removes it
     spin_wait: bool = False
+    # 'upmaxN' (with 'upstN'): tokens a step may have (z rows staged in shared memory, a table entry each); fewer
+    # than PIPE_MAX_M leaves room for more ring slots. Run 40's timeline: an item waits about 455 cycles for its
+    # slot although it was requested three items earlier, as if each SM received its ring at about 20 GB/s with 3
+    # slots in flight; a fourth in flight tests that
+    max_tokens: int = PIPE_MAX_M
     arch: str = "sm_90a"
 
     @property
@@ -327,8 +332,9 @@ def _up_stage_bytes(shape: MoEShape, pad_words: int = 0) -> int:
 
 
 def _up_fixed_bytes(key: MoEUpPipeKey) -> int:
-    tables = 4 * (3 * E + TOPK * PIPE_MAX_M)
-    z = PIPE_MAX_M * key.z_row_words * 4 + (PIPE_MAX_M * 8 if key.fp16 else 0)  # 'f16': the per-token scales
+    n = key.max_tokens
+    tables = 4 * (3 * E + TOPK * n)
+    z = n * key.z_row_words * 4 + (n * 8 if key.fp16 else 0)  # 'f16': the per-token scales
     return z + tables + key.warps * 32 * 4 * 4 + 512
 
 
@@ -349,7 +355,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     I = sh.inter
     spin = mbar_spin_wait()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
-    MXT = PIPE_MAX_M
+    MXT = key.max_tokens
+    assert 1 <= MXT <= PIPE_MAX_M
     EPI, PRO, FENCE = key.epilogue_warp, key.prologue, key.proxy_fence
     THREADS = 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
     NSB = L // SB
@@ -1580,8 +1587,8 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin")
-TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin")  # variants with a timeline build besides the defaults
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4")
+TRACE_VARIANTS = ("run20", "run24", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4")  # variants with a timeline build besides the defaults
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
@@ -1600,7 +1607,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     flush fence, count and all-reduce an item after the row block's red.adds) [off], fwarp (moe_down's extra warps
     flush finished row blocks and do their all-reduce reads while the other warps go on; lazy and aflush imply
     fwarp0) [on], spin (both kernels' compute warps poll their slots' mbarriers; upspin / downspin one
-    kernel's) [off], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
+    kernel's) [off], upstN (moe_up's ring slots) [4], upmaxN (the most tokens moe_up stages, 1..8; fewer leave room for
+    slots) [8], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1641,6 +1649,10 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["balanced"] = False
         elif m := re.fullmatch(r"(up|down)early(\d)", tok):
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
+        elif m := re.fullmatch(r"upst(\d)", tok):
+            up["stages"] = int(m.group(1))
+        elif (m := re.fullmatch(r"upmax(\d)", tok)) and 1 <= int(m.group(1)) <= PIPE_MAX_M:
+            up["max_tokens"] = int(m.group(1))
         elif m := re.fullmatch(r"(up|down)?spin([01]?)", tok):
             for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
                 side["spin_wait"] = m.group(2) != "0"
@@ -1663,7 +1675,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"on different CTAs), lazy0/lazy1 (moe_down's deferred flush), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), fwarp (moe_down's flush warp), fence0/upfence0/"
-                             f"downfence0 (no proxy fence before ring refills), spin/upspin/downspin (polled slot waits), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
+                             f"downfence0 (no proxy fence before ring refills), spin/upspin/downspin (polled slot waits), upstN/upmaxN (moe_up's ring slots / tokens), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
@@ -1729,6 +1741,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     down_fence = down.proxy_fence if isinstance(down, MoEDownPipeKey) else up.proxy_fence
     if not up.proxy_fence:
         parts.append("fence0" if not down_fence else "upfence0")
+    if up.stages != MoEUpPipeKey.stages:
+        parts.append(f"upst{up.stages}")
+    if up.max_tokens != MoEUpPipeKey.max_tokens:
+        parts.append(f"upmax{up.max_tokens}")
     down_spin = down.spin_wait if isinstance(down, MoEDownPipeKey) else up.spin_wait
     if up.spin_wait:
         parts.append("spin" if down_spin else "upspin")
