@@ -109,7 +109,10 @@ class FusedMoE:
         count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
-        'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults.
+        'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
+        (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
+        its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
+        shows it only there.
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
@@ -136,9 +139,14 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
+        front_kw, variant = km.split_front_options(variant)
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch)
+        if front_kw and mt == 1 and not separate_routing:  # 'foccN' caps the routing front kernel at m_tile 1
+            self.variant = f"focc{front_kw['min_ctas']}+{self.variant}"
+        else:
+            front_kw = {}
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch, **front_kw)
         route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)

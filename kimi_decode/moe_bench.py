@@ -33,7 +33,8 @@ def make_moe_executor(name: str):
     'fused-direct' is 'fused' with the first expert kernels (a CTA per expert row block, `kernels/moe.py`),
     'fused-pipeup' the pipelined gate/up with the direct down. 'fused-direct@w4r1-w4r8e2s8' picks a launch
     shape of the direct expert kernels (`kernels.moe.parse_variant`) for tuning runs; 'fused@run17' (run 17's
-    kernels) or 'fused@pf1' sets options of the pipelined kernels (`kernels.moe_pipe.parse_pipe_variant`)."""
+    kernels) or 'fused@pf1' sets options of the pipelined kernels (`kernels.moe_pipe.parse_pipe_variant`), and
+    'fused@focc12' the front kernel's (`kernels.moe.split_front_options`)."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
         return StockMoEHalf
@@ -45,8 +46,11 @@ def make_moe_executor(name: str):
                 from .kernels.moe import parse_variant
                 parse_variant(variant)
             elif base == "fused":
+                from .kernels.moe import split_front_options
                 from .kernels.moe_pipe import parse_pipe_variant
-                parse_pipe_variant(variant)
+                rest = split_front_options(variant)[1]  # 'focc12' (the front kernel's) then the expert kernels'
+                if rest:
+                    parse_pipe_variant(rest)
             else:
                 raise ValueError(f"variants apply to fused-direct (launch shapes, e.g. fused-direct@w4r2-w4r4e4s4) "
                                  f"and fused (options of the pipelined kernels, e.g. fused@run17), got {name!r}")

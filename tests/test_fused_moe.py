@@ -441,6 +441,19 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
     assert r["all_written"] and r["check_ok"], r
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_fused_front_occupancy_builds_match_the_reference(w8, n):
+    """'focc12' (the routing front kernel capped at 40 registers) gives the reference at one token and, where it
+    does not apply (m_tile 8), leaves the step as it is."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(n, D, seed=140 + n, device="cuda")
+    ex = FusedMoE(w8, x, variant="focc12")
+    assert ex.variant.startswith("focc12+") == (n == 1), ex.variant
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="focc12"), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
 def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
     """The L2-prefetch variants (off by default) carry the bulk prefetch; the defaults do not."""
     from kimi_decode import compile as kc
@@ -523,6 +536,59 @@ def test_routing_issues_its_score_loads_before_the_sigmoid_slow_paths(compiler, 
     first_call = next(i for i, op in enumerate(ops) if op.startswith("CALL"))
     scalar_loads_before = sum(op == "LDG.E" for op in ops[:first_call])
     assert scalar_loads_before >= 2 * km.E // 32, ops[: first_call + 3]
+
+
+def test_front_occupancy_option_parses_and_refuses_bad_counts():
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.moe_bench import make_moe_executor
+    assert km.split_front_options("focc12-run35") == (dict(min_ctas=12), "run35")
+    assert km.split_front_options("run35-focc8") == (dict(min_ctas=8), "run35")
+    assert km.split_front_options("focc12") == (dict(min_ctas=12), None)
+    assert km.split_front_options(None) == ({}, None)
+    for bad in ("focc0", "focc17"):
+        with pytest.raises(ValueError, match="resident front CTAs"):
+            km.split_front_options(bad)
+    make_moe_executor("fused@focc12-run35")  # the executor name parses before any GPU work
+    with pytest.raises(ValueError):
+        make_moe_executor("fused@focc12-nonsense")
+
+
+def test_front_occupancy_builds_cap_registers_and_are_built_ahead_of_time(compiler):
+    """'foccN' asks ptxas for N front CTAs of 128 threads per SM: at 12 the registers fall from 95 (the routing
+    code's) to the GEMV's 40, and only the routing path (one CTA) may spill; its score loads still come first."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    s = km.shapes_for_tp(8)
+    assert kc.resource_usage(km.MoEFrontKey(s))["REG"] > 65536 // (12 * 128)  # why the option exists
+    for n in km.FRONT_OCC_AOT:
+        key = km.MoEFrontKey(s, min_ctas=n)
+        assert key in km.FRONT.aot_keys("sm_90a")
+        assert f".minnctapersm {n}" in kc.ptx_text(key)
+        regs = kc.resource_usage(key)["REG"]
+        assert regs * 128 * n <= 65536, (n, regs)
+        ops = re.findall(r"\b(LDG\.E(?:\.\w+)*|CALL\.REL\S*)", kc.sass_text(key))
+        first_call = next(i for i, op in enumerate(ops) if op.startswith("CALL"))
+        assert sum(op == "LDG.E" for op in ops[:first_call]) >= 2 * km.E // 32
+
+
+def test_moe_down_prologue_arms_one_mbarrier_per_round_trip(compiler):
+    """moe_down's prologue has two bulk round trips (routing tables, then a and a_shared) with no CTA barrier
+    between: each has its own mbarrier, waited on at phase 0, so that no thread can re-arm a barrier another
+    thread has not yet seen complete."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    key = kp.MoEDownPipeKey(km.shapes_for_tp(8))
+    ptx = kc.ptx_text(key)
+    assert ptx.count("mbarrier.init") == key.stages + 2
+    off = kp.MoEDownPipeKey(km.shapes_for_tp(8), prologue=False)
+    assert kc.ptx_text(off).count("mbarrier.init") == off.stages
+    assert re.search(r"mbarrier\.try_wait\.parity[^;]*\], 0,", ptx)
+    assert not re.search(r"mbarrier\.try_wait\.parity[^;]*\], 1,", ptx)  # no wait on a literal phase 1
 
 
 def test_config_sizes_match_the_kernels():

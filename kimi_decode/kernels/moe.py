@@ -74,11 +74,39 @@ class MoEShape:
         return E + L
 
 
+def split_front_options(variant: str | None) -> tuple[dict, str | None]:
+    """Take the front kernel's options out of a fused variant string: 'focc12-run35' -> ({'min_ctas': 12},
+    'run35'); what is left goes to the expert kernels' variant parser (None if nothing is)."""
+    import re
+
+    if not variant:
+        return {}, variant
+    front, rest = {}, []
+    for tok in variant.split("-"):
+        if m := re.fullmatch(r"focc(\d+)", tok):
+            n = int(m.group(1))
+            if not 1 <= n <= FRONT_MAX_CTAS:
+                raise ValueError(f"foccN asks for N resident front CTAs per SM, 1..{FRONT_MAX_CTAS}; got {tok!r}")
+            front["min_ctas"] = n
+        else:
+            rest.append(tok)
+    return front, "-".join(rest) or None
+
+
+FRONT_OCC_AOT = (8, 12)  # the 'foccN' builds made ahead of time (TP8, m_tile 1)
+FRONT_MAX_CTAS = 16  # CTAs of 4 warps that fit the SM's 64 warps
+FRONT_SMEM_CARVEOUT = 50  # percent of the SM's 256 KB for shared memory with 'occN': room for 16 front CTAs
+
+
 @dataclass(frozen=True)
 class MoEFrontKey:
     shape: MoEShape
     m_tile: int = 1
     route: bool = True  # route in the CTA that finishes the router rows last (False: the GEMV alone)
+    # 'occN': ask ptxas for N resident CTAs per SM (.minnctapersm). The routing code raises the kernel's registers
+    # from 40 (the GEMV alone) to 95, which leaves 5 CTAs of 128 threads per SM (70 KB of loads in flight) where
+    # the GEMV alone has 12; capped, the routing path (one CTA) may spill. 0: no cap
+    min_ctas: int = 0
     arch: str = "sm_90a"
 
 
@@ -420,6 +448,8 @@ def build_front(key: MoEFrontKey):
     SCALING = sh.scaling
     ROUTE = key.route
     assert E % R == 0 and N % R == 0
+    # a carveout given keeps the DSL from asking a GPU for the SM's shared memory (the build runs without one)
+    occupancy = dict(min_blocks_per_mp=key.min_ctas, preferred_smem_carveout=FRONT_SMEM_CARVEOUT) if key.min_ctas else {}
 
     @cute.kernel
     def front_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
@@ -465,7 +495,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + route_smem_bytes(WARPS), stream=stream)
+            smem=4 * WARPS * RM + route_smem_bytes(WARPS), stream=stream, **occupancy)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -948,6 +978,8 @@ def aot_keys_for(kind: str):
             s = shapes_for_tp(tp)
             if kind == "front":
                 out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
+                if tp == 8:  # 'foccN' (m_tile 1: at m_tile 8 the GEMV alone holds over 200 registers)
+                    out += [MoEFrontKey(s, m_tile=1, min_ctas=n, arch=arch) for n in FRONT_OCC_AOT]
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch)] + ([MoERouteKey(s, pdl=False, arch=arch)] if tp == 8 else [])
             elif kind == "up":

@@ -1019,15 +1019,17 @@ def build_down_pipe(key: MoEDownPipeKey):
     def bulk_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
                   M: Int32, tid: Int32):
         """(all threads, inlined; 'pro') a (every (expert, token) pair's row) and a_shared into shared memory in
-        one bulk round trip (phase 1 of pbar), then a permuted in place, 16 bytes per thread at a time, into
-        the mma's B order: per 8 values (0,4) (2,6) (1,5) (3,7) as bf16 pairs (bit-exact, no conversion)."""
-        pb = pbar.iterator
+        one bulk round trip (phase 0 of pbar's second mbarrier: the tables' is not re-armed, since a thread
+        re-arming it could complete its next phase before a slower thread had seen the first, and no CTA barrier
+        lies between), then a permuted in place, 16 bytes per thread at a time, into the mma's B order: per 8
+        values (0,4) (2,6) (1,5) (3,7) as bf16 pairs (bit-exact, no conversion)."""
+        pb = pbar.iterator + 1
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + S * 2))
             b = pb.toint()
             bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
             bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
-        cute.arch.mbarrier_wait(pb, 1)
+        cute.arch.mbarrier_wait(pb, 0)
         sA4 = cute.zipped_divide(s_a, (1, 4))
         lo16, hi16 = Int32(0xFFFF), Int32(-65536)
         for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
@@ -1264,10 +1266,12 @@ def build_down_pipe(key: MoEDownPipeKey):
             kpart = smem.allocate_tensor(Float32, cute.make_layout((KS, RG, 32, 4), stride=(RG * 128, 128, 4, 1)),
                                          byte_alignment=16)
         if const_expr(PRO):
-            pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), byte_alignment=8)
+            # the prologue's two round trips (routing tables; a and a_shared), one mbarrier each
+            pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), byte_alignment=8)
             s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
             if tid == 0:
                 cute.arch.mbarrier_init(pbar.iterator, 1)
+                cute.arch.mbarrier_init(pbar.iterator + 1, 1)
             ring_init()(bars, ST)
             # the routing tables come from moe_front / moe_route: complete before this launch
             nact = bulk_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, pbar, M, tid)
