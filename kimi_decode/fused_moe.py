@@ -112,7 +112,7 @@ class FusedMoE:
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
-        shows it only there.
+        shows it only there; 'cand0' routes by the bitwise search alone (the kernels before run 43).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order.
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
@@ -139,15 +139,15 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
-        front_kw, variant = km.split_front_options(variant)
+        route_kw, variant = km.split_front_options(variant)
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
-        if front_kw and mt == 1 and not separate_routing:  # 'foccN' caps the routing front kernel at m_tile 1
-            self.variant = f"focc{front_kw['min_ctas']}+{self.variant}"
-        else:
-            front_kw = {}
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, arch=arch, **front_kw)
-        route_key = km.MoERouteKey(shape, pdl=pdl, arch=arch) if separate_routing else None
+        cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
+        occ = route_kw.get("min_ctas", 0) if mt == 1 and not separate_routing else 0  # 'foccN': m_tile 1 only
+        self.variant = "+".join([*(["cand0"] if not cand else []), *([f"focc{occ}"] if occ else []), self.variant])
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ, candidates=cand,
+                                   arch=arch)
+        route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
         self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)

@@ -71,6 +71,8 @@ stage_cmd() {
     moe-upst5) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (upst5 or None)' && $KD moe --executors stock,fused,fused@upst5-upmax4 --tps 8 --batches 1,2,4 --no-progress --out $M/moe_upst5_h200_tp8.csv && $KD moe --check-only --executors fused@upst5-upmax4 --tps 8 --batches 1,2,4 --tokens 1 --no-progress --out $M/moe_upst5_h200_check_verify.csv && $KD moe --trace --executors fused@upst5-upmax4 --tps 8 --batches 1,2 --no-progress --out $M/moe_trace_upst5_h200_tp8.csv.xz" ;;
     moe-focc) echo "$KD moe --executors stock,fused,fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_focc_h200_tp8.csv && $KD moe --check-only --executors fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_focc_h200_check_verify.csv" ;;
     moe-breakdown-focc) echo "$KD moe --breakdown --executors fused,fused@focc12 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_focc_h200_tp8.csv" ;;
+    moe-cand) echo "$KD moe --executors stock,fused,fused@cand0 --tps 8 --batches 1,2,4,8 --no-progress --out $M/moe_cand_h200_tp8.csv" ;;
+    moe-breakdown-cand) echo "$KD moe --breakdown --executors fused,fused@cand0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_breakdown_cand_h200_tp8.csv" ;;
     profile-route-b8) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls --source 'route_kernel'" ;;
     mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;

@@ -160,6 +160,21 @@ def test_fused_kernel_count_under_a_cuda_graph(w8, tokens, kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8, 33])
+def test_candidate_routing_equals_the_bitwise_search(w8, tokens):
+    """The candidate ranking (default) and the bitwise search alone ('cand0') choose the same experts in the
+    same order with the same weights, in the front kernel (up to 8 tokens) and in the routing launch."""
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(tokens, D, seed=150 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="cand0")
+    assert b.variant.startswith("cand0+")
+    a(), b()
+    torch.cuda.synchronize()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
+    _same_up_to_summation_order(a.h, b.h)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     """Both routing placements run the same selection: identical ids, weights and outputs."""
@@ -209,21 +224,24 @@ def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True])
-def test_routing_ties_go_to_the_lowest_expert_index(w8, separate):
-    """Experts 0..47 get identical router rows (exactly tied scores, zero bias) that beat every other
-    expert: the top 16 must be experts 0..15, in index order (torch.topk's order with lowest-index ties)."""
+@pytest.mark.parametrize("tied", [20, 48])
+def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied):
+    """Experts 0..tied-1 get identical router rows (exactly tied scores, zero bias) that beat every other
+    expert: the top 16 must be experts 0..15, in index order (torch.topk's order with lowest-index ties).
+    20 tied keys are 20 candidates (the candidate ranking); 48 are more than a warp's list holds (the bitwise
+    search)."""
     import dataclasses
 
     from kimi_decode.moe_bench import moe_input
     x = moe_input(6, D, seed=12, device="cuda")
     gate = (0.01 * w8.moe.gate.float()).to(torch.bfloat16)
-    gate[:48] = (0.5 * x.float().mean(0) / x.float().mean(0).norm()).to(torch.bfloat16)
+    gate[:tied] = (0.5 * x.float().mean(0) / x.float().mean(0).norm()).to(torch.bfloat16)
     moe = dataclasses.replace(w8.moe, gate=gate,
                               e_score_correction_bias=torch.zeros_like(w8.moe.e_score_correction_bias))
     ex = FusedMoE(dataclasses.replace(w8, moe=moe), x, separate_routing=separate)
     ex()
     torch.cuda.synchronize()
-    logits = ex.front[:, :48]
+    logits = ex.front[:, :tied]
     assert (logits == logits[:, :1]).all(), "the tied rows must give bit-identical logits"
     want = torch.arange(16, dtype=torch.int32, device="cuda").expand(6, 16)
     assert torch.equal(ex.ids, want), ex.ids
@@ -538,10 +556,49 @@ def test_routing_issues_its_score_loads_before_the_sigmoid_slow_paths(compiler, 
     assert scalar_loads_before >= 2 * km.E // 32, ops[: first_call + 3]
 
 
+def _candidate_topk(keys: torch.Tensor, list_size: int = 32):
+    """The kernel's candidate routing for one token, step by step (`kernels.moe.route_tokens`): keys [896]
+    int64 laid out as the kernel's lanes hold them (expert lane + 32 j in lane `lane`). Returns (the 16 chosen
+    experts in rank order, whether the candidate path was taken)."""
+    by_lane = keys.view(-1, 32)  # [j, lane]
+    m16 = by_lane.max(0).values.sort(descending=True).values[15]
+    cand = (keys >= m16).nonzero().flatten()
+    if cand.numel() > list_size:
+        return None, False
+    k = keys[cand]
+    rank = ((k[None, :] > k[:, None]) | ((k[None, :] == k[:, None]) & (cand[None, :] < cand[:, None]))).sum(1)
+    chosen = rank < 16
+    out = torch.empty(16, dtype=torch.long)
+    out[rank[chosen]] = cand[chosen]
+    return out, True
+
+
+def test_candidate_routing_model_equals_topk_with_lowest_index_ties():
+    """The 16th largest lane maximum bounds the 16th largest key from below, so ranking the keys at or above it
+    gives torch.topk's choice and order (lowest index first among ties), for random scores, heavy ties and
+    scores concentrated in a few lanes; more candidates than the list holds go to the bitwise search."""
+    gen = torch.Generator().manual_seed(5)
+    fast = 0
+    for trial in range(3000):
+        scale = [0.3, 1.0, 4.0][trial % 3]
+        keys = (torch.randn(896, generator=gen) * scale * 1000).round().long()  # rounding makes ties
+        if trial % 7 == 0:  # a few lanes hold the largest keys
+            keys[torch.arange(0, 896, 32)] += 5000
+        if trial % 11 == 0:
+            keys[:] = 3  # everything tied
+        got, took = _candidate_topk(keys)
+        want = torch.topk(keys.double() - torch.arange(896) * 1e-9, 16).indices  # lowest index wins a tie
+        if took:
+            fast += 1
+            assert torch.equal(got, want), (trial, got, want)
+    assert 2000 < fast < 3000  # both paths occur
+
+
 def test_front_occupancy_option_parses_and_refuses_bad_counts():
     from kimi_decode.kernels import moe as km
     from kimi_decode.moe_bench import make_moe_executor
     assert km.split_front_options("focc12-run35") == (dict(min_ctas=12), "run35")
+    assert km.split_front_options("cand0-focc8") == (dict(candidates=False, min_ctas=8), None)
     assert km.split_front_options("run35-focc8") == (dict(min_ctas=8), "run35")
     assert km.split_front_options("focc12") == (dict(min_ctas=12), None)
     assert km.split_front_options(None) == ({}, None)

@@ -75,15 +75,19 @@ class MoEShape:
 
 
 def split_front_options(variant: str | None) -> tuple[dict, str | None]:
-    """Take the front kernel's options out of a fused variant string: 'focc12-run35' -> ({'min_ctas': 12},
-    'run35'); what is left goes to the expert kernels' variant parser (None if nothing is)."""
+    """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
+    ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
+    (None if nothing is). focc N: the front kernel with routing built for N resident CTAs per SM; cand0 / cand1:
+    routing without / with the candidate selection (`route_tokens`, on by default)."""
     import re
 
     if not variant:
         return {}, variant
     front, rest = {}, []
     for tok in variant.split("-"):
-        if m := re.fullmatch(r"focc(\d+)", tok):
+        if m := re.fullmatch(r"cand([01]?)", tok):
+            front["candidates"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
                 raise ValueError(f"foccN asks for N resident front CTAs per SM, 1..{FRONT_MAX_CTAS}; got {tok!r}")
@@ -107,6 +111,7 @@ class MoEFrontKey:
     # from 40 (the GEMV alone) to 95, which leaves 5 CTAs of 128 threads per SM (70 KB of loads in flight) where
     # the GEMV alone has 12; capped, the routing path (one CTA) may spill. 0: no cap
     min_ctas: int = 0
+    candidates: bool = True  # routing by candidates (`route_tokens`); 'cand0': by the bitwise search alone
     arch: str = "sm_90a"
 
 
@@ -118,6 +123,7 @@ class MoERouteKey:
     shape: MoEShape
     warps: int = 16
     pdl: bool = True  # programmatic dependent launch (see PDL below)
+    candidates: bool = True  # as MoEFrontKey.candidates
     arch: str = "sm_90a"
 
 
@@ -258,17 +264,21 @@ _ROUTE = None
 def route_tokens():
     """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
 
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING, CAND)
 
-    One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers;
-    the 16th largest key T is found exactly by a 32-step bitwise search (each step: count the keys
-    ≥ a candidate with one `redux.sync`), so the cost does not grow with k and has no dependent
-    arg-max chain. Keys > T and the lowest-index ties = T make the top 16; they are compacted through
-    shared memory (`lst` [WARPS * 16, 2] Int32) and ordered by (key desc, index asc), as torch.topk
-    with lowest-index ties. Weights s / Σ s · scaling. Then the expert-major tables, from per-expert
-    token counts in shared memory (`cnt` [E] Int32, `wtot` [WARPS] Int32) and one CTA scan: mMeta[0] =
-    number of active experts, mAct[j] the j-th active expert (ascending), mList[j] = (offset, count) of
-    its tokens in mTok [TOPK · M] (the (expert, token) pairs, grouped by expert).
+    One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers.
+    With CAND (the default since run 43): the 16th largest of the 32 lane maxima, m16, bounds the 16th
+    largest key from below, so the top 16 lie among the keys >= m16 (about 21 for random scores); up to
+    ROUTE_LIST of them are compacted into shared memory (`lst`, [WARPS * ROUTE_LIST, 2] Int32: key, index),
+    one per lane, and each ranks itself against the others by (key desc, index asc), as torch.topk with
+    lowest-index ties: a few hundred instructions. Without CAND, or with more candidates, the 16th largest
+    key T is found exactly by a 32-step bitwise search (each step counts the keys >= a candidate with one
+    `redux.sync`), keys > T and the lowest-index ties = T are compacted and ranked: about 4400 instructions
+    of one warp, 12-15 µs a token on the H200 (run 42's source counters). Weights s / Σ s · scaling. Then the
+    expert-major tables, from per-expert token counts in shared memory (`cnt` [E] Int32, `wtot` [WARPS]
+    Int32) and one CTA scan: mMeta[0] = number of active experts, mAct[j] the j-th active expert
+    (ascending), mList[j] = (offset, count) of its tokens in mTok [TOPK · M] (the (expert, token) pairs,
+    grouped by expert).
     """
     global _ROUTE
     if _ROUTE is None:
@@ -276,7 +286,8 @@ def route_tokens():
     return _ROUTE
 
 
-ROUTE_LIST_WORDS = 2 * TOPK  # Int32 words of shared memory per routing warp (key, index) × 16
+ROUTE_LIST = 32  # (key, index) entries per routing warp: the candidates of the top 16, or the top 16 itself
+ROUTE_LIST_WORDS = 2 * ROUTE_LIST  # Int32 words of shared memory per routing warp
 
 
 def route_smem_bytes(warps: int) -> int:
@@ -310,15 +321,18 @@ def _order_key(f):
 def _make_route():
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Constexpr, Float32, Int32
+    from cutlass import Constexpr, Float32, Int32, const_expr
 
     NPL = E // 32
     INT_MIN = -(1 << 31)
+    INT_MAX = (1 << 31) - 1
+    LIST = ROUTE_LIST  # entries of a warp's (key, index) list
+    SHFL_BATCH = 8  # shuffles per round of the ranking loops (unrolled in full: 128 registers in the front kernel)
 
     @cute.jit
     def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
               mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, cnt: cute.Tensor,
-              lst: cute.Tensor, wtot: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr):
+              lst: cute.Tensor, wtot: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr, CAND: Constexpr = True):
         THREADS = 32 * WARPS
         CH = -(-E // THREADS)
         tid, _, _ = cute.arch.thread_idx()
@@ -339,54 +353,103 @@ def _make_route():
             for j in cutlass.range_constexpr(NPL):
                 sj = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j])) + bss[j]
                 ky[j] = _order_key(sj)
-            # T (as unsigned bits tu): the largest value with at least TOPK keys >= it, bit by bit
-            tu = Int32(0)
-            for b in cutlass.range_constexpr(32):
-                cu = tu | Int32((1 << (31 - b)) if b else INT_MIN)
-                cs = cu ^ Int32(INT_MIN)
-                cq = [Int32(0), Int32(0), Int32(0), Int32(0)]  # four partial counts: a short add chain
-                for j in cutlass.range_constexpr(NPL):
-                    cq[j % 4] = cq[j % 4] + Int32(ky[j] >= cs)
-                if cute.arch.warp_redux_sync((cq[0] + cq[1]) + (cq[2] + cq[3]), "add") >= TOPK:
-                    tu = cu
-            th = tu ^ Int32(INT_MIN)
-            c = Int32(0)
-            for j in cutlass.range_constexpr(NPL):
-                c = c + Int32(ky[j] > th)
-            need = Int32(TOPK) - cute.arch.warp_redux_sync(c, "add")  # ties at T to take, lowest index first
-            base = Int32(0)
-            tb = Int32(0)
-            for j in cutlass.range_constexpr(NPL):
-                eq = ky[j] == th
-                be = cute.arch.vote_ballot_sync(eq)
-                sel = ky[j] > th
-                if eq:
-                    sel = tb + cute.arch.popc(be & lt) < need
-                bs = cute.arch.vote_ballot_sync(sel)
-                if sel:
-                    pos = (warp * TOPK + base + cute.arch.popc(bs & lt)) * 2
-                    lst[pos] = ky[j]
-                    lst[pos + 1] = lane + 32 * j
-                base = base + cute.arch.popc(bs)
-                tb = tb + cute.arch.popc(be)
-            cute.arch.sync_warp()
+            lw = warp * LIST  # this warp's (key, index) list in shared memory
+            mk = Int32(INT_MIN)  # this lane's entry of the list: key and expert index
             mine = Int32(0)
-            slot = Int32(0)
+            rank = Int32(TOPK)  # the entry's place in the top 16 (TOPK: not chosen)
+            ncand = Int32(LIST + 1)
+            c = Int32(0)
+            pos = Int32(0)
+            if const_expr(CAND):
+                # the 16 largest lane maxima are 16 distinct keys, so the 16th of them, m16, is at most the
+                # 16th largest key: the top 16 lie among the keys >= m16 (ncand of them, about 21 for random
+                # scores; at most LIST takes this path, more the bitwise search below)
+                mx = ky[0]
+                for j in cutlass.range_constexpr(1, NPL):
+                    mx = cutlass.max(mx, ky[j])
+                rk = Int32(0)  # this lane's maximum's rank among the 32 (ties by lane)
+                for q0 in cutlass.range(0, 32, SHFL_BATCH):  # a few shuffles in flight: registers stay low
+                    for u in cutlass.range_constexpr(SHFL_BATCH):
+                        o = cute.arch.shuffle_sync(mx, q0 + u)
+                        rk = rk + (Int32(o > mx) | (Int32(o == mx) & Int32(lane > q0 + u)))
+                m16 = cute.arch.warp_redux_sync(cutlass.select_(rk < TOPK, mx, Int32(INT_MAX)), "min")
+                c = Int32(0)
+                for j in cutlass.range_constexpr(NPL):
+                    c = c + Int32(ky[j] >= m16)
+                ncand = cute.arch.warp_redux_sync(c, "add")
+                if ncand <= LIST:
+                    pos = c  # exclusive prefix of the lanes' counts: this lane's first place in the list
+                    for off in cutlass.range_constexpr(5):
+                        o = cute.arch.shuffle_sync_up(pos, offset=1 << off)
+                        if lane >= (1 << off):
+                            pos = pos + o
+                    pos = pos - c
+                    for j in cutlass.range_constexpr(NPL):
+                        if ky[j] >= m16:
+                            lst[(lw + pos) * 2] = ky[j]
+                            lst[(lw + pos) * 2 + 1] = lane + 32 * j
+                            pos = pos + 1
+                    cute.arch.sync_warp()
+                    if lane < ncand:
+                        mk = lst[(lw + lane) * 2]
+                        mine = lst[(lw + lane) * 2 + 1]
+                    rank = Int32(0)  # keys above this one, or equal with a lower index (torch.topk's order)
+                    for q0 in cutlass.range(0, LIST, SHFL_BATCH):
+                        for u in cutlass.range_constexpr(SHFL_BATCH):
+                            ok = cute.arch.shuffle_sync(mk, q0 + u)
+                            oi = cute.arch.shuffle_sync(mine, q0 + u)
+                            rank = rank + (Int32(ncand > q0 + u) & (Int32(ok > mk) | (Int32(ok == mk) & Int32(oi < mine))))
+                    if lane >= ncand:
+                        rank = Int32(TOPK)
+            if ncand > LIST:
+                # T (as unsigned bits tu): the largest value with at least TOPK keys >= it, bit by bit
+                tu = Int32(0)
+                for b in cutlass.range_constexpr(32):
+                    cu = tu | Int32((1 << (31 - b)) if b else INT_MIN)
+                    cs = cu ^ Int32(INT_MIN)
+                    cq = [Int32(0), Int32(0), Int32(0), Int32(0)]  # four partial counts: a short add chain
+                    for j in cutlass.range_constexpr(NPL):
+                        cq[j % 4] = cq[j % 4] + Int32(ky[j] >= cs)
+                    if cute.arch.warp_redux_sync((cq[0] + cq[1]) + (cq[2] + cq[3]), "add") >= TOPK:
+                        tu = cu
+                th = tu ^ Int32(INT_MIN)
+                c = Int32(0)
+                for j in cutlass.range_constexpr(NPL):
+                    c = c + Int32(ky[j] > th)
+                need = Int32(TOPK) - cute.arch.warp_redux_sync(c, "add")  # ties at T to take, lowest index first
+                base = Int32(0)
+                tb = Int32(0)
+                for j in cutlass.range_constexpr(NPL):
+                    eq = ky[j] == th
+                    be = cute.arch.vote_ballot_sync(eq)
+                    sel = ky[j] > th
+                    if eq:
+                        sel = tb + cute.arch.popc(be & lt) < need
+                    bs = cute.arch.vote_ballot_sync(sel)
+                    if sel:
+                        pos = (lw + base + cute.arch.popc(bs & lt)) * 2
+                        lst[pos] = ky[j]
+                        lst[pos + 1] = lane + 32 * j
+                    base = base + cute.arch.popc(bs)
+                    tb = tb + cute.arch.popc(be)
+                cute.arch.sync_warp()
+                if lane < TOPK:
+                    mk = lst[(lw + lane) * 2]
+                    mine = lst[(lw + lane) * 2 + 1]
+                    rank = Int32(0)
+                    for q in cutlass.range_constexpr(TOPK):
+                        okey = lst[(lw + q) * 2]
+                        oid = lst[(lw + q) * 2 + 1]
+                        if okey > mk or (okey == mk and oid < mine):
+                            rank = rank + Int32(1)
             s = Float32(0.0)
-            if lane < TOPK:
-                mk = lst[(warp * TOPK + lane) * 2]
-                mine = lst[(warp * TOPK + lane) * 2 + 1]
-                for q in cutlass.range_constexpr(TOPK):
-                    okey = lst[(warp * TOPK + q) * 2]
-                    oid = lst[(warp * TOPK + q) * 2 + 1]
-                    if okey > mk or (okey == mk and oid < mine):
-                        slot = slot + Int32(1)
+            if rank < TOPK:
                 s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
             tot = cute.arch.warp_reduction_sum(s)
             cute.arch.sync_warp()  # the list is reused by this warp's next token
-            if lane < TOPK:
-                mIds[t, slot] = mine
-                mWts[t, slot] = s / tot * Float32(SCALING)
+            if rank < TOPK:
+                mIds[t, rank] = mine
+                mWts[t, rank] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
                 cute.arch.atomic_add(cnt.iterator + mine, Int32(1))
         cute.arch.barrier()
@@ -484,7 +547,7 @@ def build_front(key: MoEFrontKey):
                 if flag[0] != 0:  # the last router CTA: every logit of the step is written
                     cute.arch.fence_acq_rel_gpu()
                     route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot,
-                                   WARPS, SCALING)
+                                   WARPS, SCALING, key.candidates)
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
 
@@ -527,7 +590,8 @@ def build_route(key: MoERouteKey):
         if const_expr(PDL):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING,
+                       key.candidates)
 
     @cute.jit
     def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
@@ -980,8 +1044,11 @@ def aot_keys_for(kind: str):
                 out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
                 if tp == 8:  # 'foccN' (m_tile 1: at m_tile 8 the GEMV alone holds over 200 registers)
                     out += [MoEFrontKey(s, m_tile=1, min_ctas=n, arch=arch) for n in FRONT_OCC_AOT]
+                    out += [MoEFrontKey(s, m_tile=mt, candidates=False, arch=arch) for mt in M_TILES]  # 'cand0'
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch)] + ([MoERouteKey(s, pdl=False, arch=arch)] if tp == 8 else [])
+                if tp == 8:
+                    out.append(MoERouteKey(s, candidates=False, arch=arch))
             elif kind == "up":
                 out.append(MoEUpKey(s, arch=arch))
                 if tp == 8:
