@@ -145,8 +145,8 @@ class FusedMoE:
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
         occ = route_kw.get("min_ctas", 0) if mt == 1 and not separate_routing else 0  # 'foccN': m_tile 1 only
         self.variant = "+".join([*(["cand0"] if not cand else []), *([f"focc{occ}"] if occ else []), self.variant])
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ, candidates=cand,
-                                   arch=arch)
+        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
+                                   candidates=cand or separate_routing, arch=arch)  # no routing: the default key
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)

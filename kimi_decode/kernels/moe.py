@@ -442,14 +442,21 @@ def _make_route():
                         oid = lst[(lw + q) * 2 + 1]
                         if okey > mk or (okey == mk and oid < mine):
                             rank = rank + Int32(1)
-            s = Float32(0.0)
+            # the chosen experts into lanes 0..15 by rank, whichever path chose them: Σ s is then summed in one
+            # order (the weights are bit-identical between the paths) and the stores are coalesced
+            cute.arch.sync_warp()
             if rank < TOPK:
+                lst[(lw + rank) * 2 + 1] = mine
+            cute.arch.sync_warp()
+            s = Float32(0.0)
+            if lane < TOPK:
+                mine = lst[(lw + lane) * 2 + 1]
                 s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mO[t, mine]))
             tot = cute.arch.warp_reduction_sum(s)
             cute.arch.sync_warp()  # the list is reused by this warp's next token
-            if rank < TOPK:
-                mIds[t, rank] = mine
-                mWts[t, rank] = s / tot * Float32(SCALING)
+            if lane < TOPK:
+                mIds[t, lane] = mine
+                mWts[t, lane] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
                 cute.arch.atomic_add(cnt.iterator + mine, Int32(1))
         cute.arch.barrier()
