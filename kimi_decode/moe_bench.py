@@ -22,13 +22,14 @@ from .reference import Storage
 from .reference.moe import moe_block_one_rank
 from .weights import LayerWeights, make_layer_weights
 
-MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup")
+MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl", "fused-pdl", "fused-direct", "fused-pipeup")
 
 
 def make_moe_executor(name: str):
     """`(weights, x) -> executor` of the MoE half: 'stock' (15 launches), 'fused' (CuTe DSL: 4 launches
     with the routing in the front GEMV's last router CTA up to 8 tokens, 5 beyond) or 'fused5' (always 5:
-    routing as its own launch), 'fused-nopdl' (as 'fused', each launch waiting for the previous one to
+    routing as its own launch), 'fused-pdl' (as 'fused' with programmatic dependent launch at every token
+    count, as before run 46; 'fused' uses it at one token, `fused_moe.PDL_MAX_TOKENS`), 'fused-nopdl' (as 'fused', each launch waiting for the previous one to
     finish: no programmatic dependent launch); these use the pipelined expert kernels (`kernels/moe_pipe.py`).
     'fused-direct' is 'fused' with the first expert kernels (a CTA per expert row block, `kernels/moe.py`),
     'fused-pipeup' the pipelined gate/up with the direct down. 'fused-direct@w4r1-w4r8e2s8' picks a launch
@@ -56,7 +57,8 @@ def make_moe_executor(name: str):
                                  f"and fused (options of the pipelined kernels, e.g. fused@run17), got {name!r}")
         experts = {"fused-direct": "direct", "fused-pipeup": "pipe-up"}.get(base, "pipe")
         return lambda w, x: FusedMoE(w, x, separate_routing=True if base == "fused5" else None,
-                                     variant=variant or None, pdl=base != "fused-nopdl", experts=experts)
+                                     variant=variant or None, experts=experts,
+                                     pdl={"fused-nopdl": False, "fused-pdl": True}.get(base))
     raise ValueError(f"MoE executor must be one of {MOE_EXECUTORS} (optionally with @variant), got {name!r}")
 
 

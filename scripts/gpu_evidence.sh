@@ -32,7 +32,7 @@ stage_cmd() {
     compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
     compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
-    moe-bench) echo "$KD moe --executors stock,fused,fused@cand0,fused@run35,fused-direct,fused-pipeup,fused-nopdl,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
+    moe-bench) echo "$KD moe --executors stock,fused,fused@cand0,fused@run35,fused-pdl,fused-nopdl,fused-direct,fused-pipeup,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
     moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
     moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv.xz" ;;
     moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
@@ -73,7 +73,7 @@ stage_cmd() {
     moe-breakdown-focc) echo "$KD moe --breakdown --executors fused,fused@focc12 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_focc_h200_tp8.csv" ;;
     moe-cand) echo "$KD moe --executors stock,fused,fused@cand0 --tps 8 --batches 1,2,4,8 --no-progress --out $M/moe_cand_h200_tp8.csv" ;;
     moe-breakdown-cand) echo "$KD moe --breakdown --executors fused,fused@cand0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_breakdown_cand_h200_tp8.csv" ;;
-    moe-pdl) echo "$KD moe --executors stock,fused,fused-nopdl --tps 8 --batches 1,2,3,4,6,8,17,64 --no-progress --out $M/moe_pdl_h200_tp8.csv" ;;
+    moe-pdl) echo "$KD moe --executors stock,fused,fused-pdl,fused-nopdl --tps 8 --batches 1,2,3,4,6,8,17,64 --no-progress --out $M/moe_pdl_h200_tp8.csv" ;;
     profile-route-b8) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls --source 'route_kernel'" ;;
     mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;

@@ -223,6 +223,19 @@ def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 8, 33])
+def test_default_launch_order_is_pdl_at_one_token_only(w8, tokens):
+    """pdl=None: programmatic dependent launch at PDL_MAX_TOKENS tokens or fewer, plain stream order above; the
+    step is correct either way (run 45 timed both at 1-64 tokens)."""
+    from kimi_decode.fused_moe import PDL_MAX_TOKENS
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=170 + tokens, device="cuda")
+    assert FusedMoE(w8, x).pdl == (tokens <= PDL_MAX_TOKENS)
+    r = check_moe(lambda w, xx: FusedMoE(w, xx), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("tied", [20, 48])
 def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied):
@@ -673,7 +686,7 @@ def test_launch_prefix_runs_the_first_k_launches():
 
 def test_moe_executor_names():
     from kimi_decode.moe_bench import make_moe_executor
-    for name in ("stock", "fused", "fused5", "fused-nopdl", "fused-direct", "fused-pipeup",
+    for name in ("stock", "fused", "fused5", "fused-nopdl", "fused-pdl", "fused-direct", "fused-pipeup",
                  "fused-direct@w4r2-w4r4e2s8", "fused@pf0-tail0"):
         assert callable(make_moe_executor(name))
     with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):

@@ -1053,24 +1053,20 @@ def aot_keys_for(kind: str):
                     out += [MoEFrontKey(s, m_tile=1, min_ctas=n, arch=arch) for n in FRONT_OCC_AOT]
                     out += [MoEFrontKey(s, m_tile=mt, candidates=False, arch=arch) for mt in M_TILES]  # 'cand0'
             elif kind == "route":
-                out += [MoERouteKey(s, arch=arch)] + ([MoERouteKey(s, pdl=False, arch=arch)] if tp == 8 else [])
+                out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:
                     out.append(MoERouteKey(s, candidates=False, arch=arch))
             elif kind == "up":
-                out.append(MoEUpKey(s, arch=arch))
+                out += [MoEUpKey(s, arch=arch), MoEUpKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out.append(MoEUpKey(s, pdl=False, arch=arch))
                     out += [MoEUpKey(s, warps=w, rows_per_warp=r, arch=arch) for w, r in TUNE_UP]
             elif kind == "down":
-                out.append(MoEDownKey(s, arch=arch))
+                out += [MoEDownKey(s, arch=arch), MoEDownKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out.append(MoEDownKey(s, pdl=False, arch=arch))
                     out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, arch=arch)
                             for w, r, e, x in TUNE_DOWN]
             else:
-                out += [MoETailKey(s, m_tile=mt, arch=arch) for mt in M_TILES]
-                if tp == 8:
-                    out += [MoETailKey(s, m_tile=mt, pdl=False, arch=arch) for mt in M_TILES]
+                out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
         return out
     return keys
 

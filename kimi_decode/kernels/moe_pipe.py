@@ -1791,10 +1791,9 @@ def _aot_keys(kind: str):
         for tp in (8, 16):
             s = shapes_for_tp(tp)
             make = MoEUpPipeKey if kind == "up" else MoEDownPipeKey
-            out.append(make(s, arch=arch))
+            out += [make(s, arch=arch), make(s, pdl=False, arch=arch)]  # PDL at one token, not above (PDL_MAX_TOKENS)
             if tp == 8:
-                out.append(make(s, pdl=False, arch=arch))
-                out.append(make(s, trace=True, arch=arch))  # the timeline build (kimi-decode moe --trace)
+                out += [make(s, trace=True, pdl=p, arch=arch) for p in (True, False)]  # the timeline builds (moe --trace)
                 for v in AOT_VARIANTS:
                     kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
                     key = make(s, arch=arch, **kw)
@@ -1802,9 +1801,10 @@ def _aot_keys(kind: str):
                         out.append(key)
                 for v in TRACE_VARIANTS:  # their timelines (kimi-decode moe --trace --executors fused@run20)
                     kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
-                    key = make(s, trace=True, arch=arch, **kw)
-                    if key not in out:
-                        out.append(key)
+                    for p in (True, False):
+                        key = make(s, trace=True, pdl=p, arch=arch, **kw)
+                        if key not in out:
+                            out.append(key)
         return out
     return keys
 
