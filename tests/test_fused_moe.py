@@ -607,6 +607,30 @@ def test_candidate_routing_model_equals_topk_with_lowest_index_ties():
     assert 2000 < fast < 3000  # both paths occur
 
 
+def test_every_built_variant_has_a_build_with_and_without_pdl():
+    """FusedMoE launches with PDL at one token and without above (PDL_MAX_TOKENS): every option built ahead of time
+    must exist both ways, or its runs above one token find no artifact on a GPU host (run 46: 101 tests)."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    up, down = kp.UP_PIPE.aot_keys("sm_90a"), kp.DOWN_PIPE.aot_keys("sm_90a")
+    for v in kp.AOT_VARIANTS:
+        u, d = kp.parse_pipe_variant(v)
+        for p in (True, False):
+            assert kp.MoEUpPipeKey(s, pdl=p, **u) in up, (v, p)
+            assert kp.MoEDownPipeKey(s, pdl=p, **d) in down, (v, p)
+    for tp in (8, 16):
+        st = km.shapes_for_tp(tp)
+        for p in (True, False):
+            assert kp.MoEUpPipeKey(st, pdl=p) in up and kp.MoEDownPipeKey(st, pdl=p) in down
+            assert km.MoERouteKey(st, pdl=p) in km.ROUTE.aot_keys("sm_90a")
+            for mt in km.M_TILES:
+                assert km.MoETailKey(st, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a")
+    for w, r in km.TUNE_UP:
+        assert km.MoEUpKey(s, warps=w, rows_per_warp=r, pdl=False) in km.UP.aot_keys("sm_90a")
+    assert km.MoERouteKey(s, candidates=False, pdl=False) in km.ROUTE.aot_keys("sm_90a")
+
+
 def test_front_occupancy_option_parses_and_refuses_bad_counts():
     from kimi_decode.kernels import moe as km
     from kimi_decode.moe_bench import make_moe_executor

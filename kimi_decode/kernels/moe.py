@@ -1055,16 +1055,17 @@ def aot_keys_for(kind: str):
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out.append(MoERouteKey(s, candidates=False, arch=arch))
+                    out += [MoERouteKey(s, candidates=False, pdl=p, arch=arch) for p in (True, False)]
             elif kind == "up":
                 out += [MoEUpKey(s, arch=arch), MoEUpKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out += [MoEUpKey(s, warps=w, rows_per_warp=r, arch=arch) for w, r in TUNE_UP]
+                    out += [MoEUpKey(s, warps=w, rows_per_warp=r, pdl=p, arch=arch) for w, r in TUNE_UP
+                            for p in (True, False)]
             elif kind == "down":
                 out += [MoEDownKey(s, arch=arch), MoEDownKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, arch=arch)
-                            for w, r, e, x in TUNE_DOWN]
+                    out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, pdl=p,
+                                       arch=arch) for w, r, e, x in TUNE_DOWN for p in (True, False)]
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
         return out

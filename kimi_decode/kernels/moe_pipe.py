@@ -1794,11 +1794,12 @@ def _aot_keys(kind: str):
             out += [make(s, arch=arch), make(s, pdl=False, arch=arch)]  # PDL at one token, not above (PDL_MAX_TOKENS)
             if tp == 8:
                 out += [make(s, trace=True, pdl=p, arch=arch) for p in (True, False)]  # the timeline builds (moe --trace)
-                for v in AOT_VARIANTS:
+                for v in AOT_VARIANTS:  # with PDL (one token) and without (more: fused_moe.PDL_MAX_TOKENS)
                     kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
-                    key = make(s, arch=arch, **kw)
-                    if key not in out:
-                        out.append(key)
+                    for p in (True, False):
+                        key = make(s, pdl=p, arch=arch, **kw)
+                        if key not in out:
+                            out.append(key)
                 for v in TRACE_VARIANTS:  # their timelines (kimi-decode moe --trace --executors fused@run20)
                     kw = parse_pipe_variant(v)[0 if kind == "up" else 1]
                     for p in (True, False):
