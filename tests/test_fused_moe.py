@@ -223,6 +223,17 @@ def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5])
+def test_fitted_m_tile_builds_match_the_reference(w8, tokens):
+    """'mtfit' (front and tail GEMVs at m_tile 2 or 4) gives the reference; at 5 tokens it changes nothing."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=190 + tokens, device="cuda")
+    assert FusedMoE(w8, x, variant="mtfit").variant.startswith("mtfit+") == (tokens <= 4)
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="mtfit"), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 8, 33])
 def test_default_launch_order_is_pdl_at_one_token_only(w8, tokens):
     """pdl=None: programmatic dependent launch at PDL_MAX_TOKENS tokens or fewer, plain stream order above; the
@@ -629,6 +640,19 @@ def test_every_built_variant_has_a_build_with_and_without_pdl():
     for w, r in km.TUNE_UP:
         assert km.MoEUpKey(s, warps=w, rows_per_warp=r, pdl=False) in km.UP.aot_keys("sm_90a")
     assert km.MoERouteKey(s, candidates=False, pdl=False) in km.ROUTE.aot_keys("sm_90a")
+
+
+def test_fitted_m_tile_option_parses_and_is_built_ahead_of_time():
+    """'mtfit': the front and tail GEMVs at m_tile 2 or 4 for 2-4 tokens (m_tile 8 computes 8 token columns and
+    holds 217 / 242 registers); built ahead of time at TP8, with and without PDL for the tail."""
+    from kimi_decode.kernels import moe as km
+    assert km.split_front_options("mtfit-cand0") == (dict(m_tile_fit=True, candidates=False), None)
+    assert [km.fit_m_tile(m) for m in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 8]
+    s = km.shapes_for_tp(8)
+    for mt in (2, 4):
+        assert km.MoEFrontKey(s, m_tile=mt) in km.FRONT.aot_keys("sm_90a")
+        for p in (True, False):
+            assert km.MoETailKey(s, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a")
 
 
 def test_front_occupancy_option_parses_and_refuses_bad_counts():

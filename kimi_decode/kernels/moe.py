@@ -78,7 +78,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
     (None if nothing is). focc N: the front kernel with routing built for N resident CTAs per SM; cand0 / cand1:
-    routing without / with the candidate selection (`route_tokens`, on by default)."""
+    routing without / with the candidate selection (`route_tokens`, on by default); mtfit: the front and tail
+    GEMVs built for the step's token count (m_tile 2 or 4, `FIT_M_TILES`) instead of 8 at 2-4 tokens."""
     import re
 
     if not variant:
@@ -87,6 +88,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     for tok in variant.split("-"):
         if m := re.fullmatch(r"cand([01]?)", tok):
             front["candidates"] = m.group(1) != "0"
+        elif tok == "mtfit":
+            front["m_tile_fit"] = True
         elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
@@ -1006,6 +1009,12 @@ def build_tail(key: MoETailKey):
 # --------------------------------------------------------------------------- registry
 
 M_TILES = (1, 8)
+FIT_M_TILES = (1, 2, 4, 8)  # 'mtfit': the smallest that holds the step's tokens (2 and 4 built ahead of time at TP8)
+
+
+def fit_m_tile(m: int) -> int:
+    """The front and tail GEMVs' m_tile for m tokens with 'mtfit': the smallest of FIT_M_TILES >= m, else 8."""
+    return next((t for t in FIT_M_TILES if t >= m), FIT_M_TILES[-1])
 
 
 def shapes_for_tp(tp: int) -> MoEShape:
@@ -1052,6 +1061,7 @@ def aot_keys_for(kind: str):
                 if tp == 8:  # 'foccN' (m_tile 1: at m_tile 8 the GEMV alone holds over 200 registers)
                     out += [MoEFrontKey(s, m_tile=1, min_ctas=n, arch=arch) for n in FRONT_OCC_AOT]
                     out += [MoEFrontKey(s, m_tile=mt, candidates=False, arch=arch) for mt in M_TILES]  # 'cand0'
+                    out += [MoEFrontKey(s, m_tile=mt, arch=arch) for mt in (2, 4)]  # 'mtfit'
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:
@@ -1068,6 +1078,8 @@ def aot_keys_for(kind: str):
                                        arch=arch) for w, r, e, x in TUNE_DOWN for p in (True, False)]
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
+                if tp == 8:  # 'mtfit'
+                    out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in (2, 4) for p in (True, False)]
         return out
     return keys
 
