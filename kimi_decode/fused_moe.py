@@ -148,11 +148,13 @@ class FusedMoE:
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
-        if route_kw.get("m_tile_fit") and km.fit_m_tile(N) != mt:  # 'mtfit': m_tile 2 or 4 at 2-4 tokens
+        fitted = route_kw.get("m_tile_fit") and km.fit_m_tile(N) != mt  # 'mtfit': m_tile 2 or 4 at 2-4 tokens
+        if fitted:
             mt = km.fit_m_tile(N)
-            self.variant = f"mtfit+{self.variant}"
         occ = route_kw.get("min_ctas", 0) if mt == 1 and not separate_routing else 0  # 'foccN': m_tile 1 only
-        self.variant = "+".join([*(["cand0"] if not cand else []), *([f"focc{occ}"] if occ else []), self.variant])
+        # the routing kernels' options in the variant name, where they apply
+        tags = [tag for tag, on in (("cand0", not cand), (f"focc{occ}", occ), ("mtfit", fitted)) if on]
+        self.variant = "+".join([*tags, self.variant])
         front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                                    candidates=cand or separate_routing, arch=arch)  # no routing: the default key
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None

@@ -102,7 +102,7 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
 
 FRONT_OCC_AOT = (8, 12)  # the 'foccN' builds made ahead of time (TP8, m_tile 1)
 FRONT_MAX_CTAS = 16  # CTAs of 4 warps that fit the SM's 64 warps
-FRONT_SMEM_CARVEOUT = 50  # percent of the SM's 256 KB for shared memory with 'occN': room for 16 front CTAs
+FRONT_SMEM_CARVEOUT = 50  # percent of the SM's 256 KB for shared memory with 'foccN': room for 16 front CTAs
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class MoEFrontKey:
     shape: MoEShape
     m_tile: int = 1
     route: bool = True  # route in the CTA that finishes the router rows last (False: the GEMV alone)
-    # 'occN': ask ptxas for N resident CTAs per SM (.minnctapersm). The routing code raises the kernel's registers
+    # 'foccN': ask ptxas for N resident CTAs per SM (.minnctapersm). The routing code raises the kernel's registers
     # from 40 (the GEMV alone) to 95, which leaves 5 CTAs of 128 threads per SM (70 KB of loads in flight) where
     # the GEMV alone has 12; capped, the routing path (one CTA) may spill. 0: no cap
     min_ctas: int = 0
@@ -1012,9 +1012,14 @@ M_TILES = (1, 8)
 FIT_M_TILES = (1, 2, 4, 8)  # 'mtfit': the smallest that holds the step's tokens (2 and 4 built ahead of time at TP8)
 
 
+def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
+    """The front and tail GEMVs' m_tile for m tokens: the smallest of `tiles` >= m, else the largest."""
+    return next((t for t in tiles if t >= m), tiles[-1])
+
+
 def fit_m_tile(m: int) -> int:
-    """The front and tail GEMVs' m_tile for m tokens with 'mtfit': the smallest of FIT_M_TILES >= m, else 8."""
-    return next((t for t in FIT_M_TILES if t >= m), FIT_M_TILES[-1])
+    """The m_tile with 'mtfit' (FIT_M_TILES: 2 and 4 as well)."""
+    return pick_m_tile(m, FIT_M_TILES)
 
 
 def shapes_for_tp(tp: int) -> MoEShape:
@@ -1094,10 +1099,6 @@ DOWN = kc.register(kc.KernelSpec(name="moe_down", module=__name__, key_type=MoED
                                  aot_keys=aot_keys_for("down"), ptx_checks=("mul.rn.bf16x2",)))
 TAIL = kc.register(kc.KernelSpec(name="moe_tail", module=__name__, key_type=MoETailKey, build=build_tail,
                                  aot_keys=aot_keys_for("tail"), ptx_checks=("ld.global.v4",)))
-
-
-def pick_m_tile(m: int) -> int:
-    return 1 if m == 1 else 8
 
 
 def check_scales(*scales: torch.Tensor) -> None:
