@@ -113,7 +113,9 @@ class FusedMoE:
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
-        shows it only there; 'cand0' routes by the bitwise search alone (the kernels before run 43).
+        shows it only there; 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
+        the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
+        1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order;
         None (the default): PDL up to PDL_MAX_TOKENS tokens per step, plain order above (run 45: PDL saved
@@ -129,6 +131,7 @@ class FusedMoE:
         from . import compile as kc
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
+        from .kernels.moe_tail_ring import MoETailRingKey
 
         check_moe_input(weights, x)
         if pdl is None:
@@ -140,7 +143,6 @@ class FusedMoE:
         tp = weights.shard.tp
         self.shape = shape = km.shapes_for_tp(tp)
         arch = kc.resolve_arch(arch)
-        mt = km.pick_m_tile(N)
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
@@ -148,17 +150,17 @@ class FusedMoE:
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
-        fitted = route_kw.get("m_tile_fit") and km.fit_m_tile(N) != mt  # 'mtfit': m_tile 2 or 4 at 2-4 tokens
-        if fitted:
-            mt = km.fit_m_tile(N)
-        occ = route_kw.get("min_ctas", 0) if mt == 1 and not separate_routing else 0  # 'foccN': m_tile 1 only
-        # the routing kernels' options in the variant name, where they apply
-        tags = [tag for tag, on in (("cand0", not cand), (f"focc{occ}", occ), ("mtfit", fitted)) if on]
-        self.variant = "+".join([*tags, self.variant])
-        front_key = km.MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
-                                   candidates=cand or separate_routing, arch=arch)  # no routing: the default key
+        # the front kernel and, in the variant name, the routing kernels' options where they changed it
+        front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch)
+        mt = front_key.m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
-        tail_key = km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
+        # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
+        ring = N == 1 and route_kw.get("tail_ring", True)
+        if N == 1 and not ring:
+            tags.append("tring0")
+        tail_key = (MoETailRingKey(shape, pdl=pdl, arch=arch) if ring
+                    else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
+        self.variant = "+".join([*tags, self.variant])
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
         self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)
                                      if k is not None)

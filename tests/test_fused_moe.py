@@ -225,12 +225,15 @@ def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [2, 3, 4, 5])
 def test_fitted_m_tile_builds_match_the_reference(w8, tokens):
-    """'mtfit' (front and tail GEMVs at m_tile 2 or 4) gives the reference; at 5 tokens it changes nothing."""
+    """The front and tail GEMVs at m_tile 2 or 4 (the default since run 49) and at m_tile 8 ('mtfit0') both give
+    the reference; at 5 tokens both take m_tile 8, so 'mtfit0' changes nothing."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=190 + tokens, device="cuda")
-    assert FusedMoE(w8, x, variant="mtfit").variant.startswith("mtfit+") == (tokens <= 4)
-    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="mtfit"), w8, x)
-    assert r["all_written"] and r["check_ok"], r
+    assert FusedMoE(w8, x, variant="mtfit0").variant.startswith("mtfit0+") == (tokens <= 4)
+    assert "mtfit" not in FusedMoE(w8, x).variant
+    for variant in (None, "mtfit0"):
+        r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+        assert r["all_written"] and r["check_ok"], (variant, r)
 
 
 @pytest.mark.gpu
@@ -249,15 +252,16 @@ def test_default_launch_order_is_pdl_at_one_token_only(w8, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("tied", [20, 48])
-def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied):
+@pytest.mark.parametrize("tokens", [6, 1])
+def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied, tokens):
     """Experts 0..tied-1 get identical router rows (exactly tied scores, zero bias) that beat every other
     expert: the top 16 must be experts 0..15, in index order (torch.topk's order with lowest-index ties).
     20 tied keys are 20 candidates (the candidate ranking); 48 are more than a warp's list holds (the bitwise
-    search)."""
+    search). At one token the front kernel routes with its keys in shared memory (skeys)."""
     import dataclasses
 
     from kimi_decode.moe_bench import moe_input
-    x = moe_input(6, D, seed=12, device="cuda")
+    x = moe_input(tokens, D, seed=12, device="cuda")
     gate = (0.01 * w8.moe.gate.float()).to(torch.bfloat16)
     gate[:tied] = (0.5 * x.float().mean(0) / x.float().mean(0).norm()).to(torch.bfloat16)
     moe = dataclasses.replace(w8.moe, gate=gate,
@@ -267,9 +271,9 @@ def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied):
     torch.cuda.synchronize()
     logits = ex.front[:, :tied]
     assert (logits == logits[:, :1]).all(), "the tied rows must give bit-identical logits"
-    want = torch.arange(16, dtype=torch.int32, device="cuda").expand(6, 16)
+    want = torch.arange(16, dtype=torch.int32, device="cuda").expand(tokens, 16)
     assert torch.equal(ex.ids, want), ex.ids
-    assert torch.allclose(ex.wts.sum(1), torch.full((6,), w8.cfg.routed_scaling_factor, device="cuda"))
+    assert torch.allclose(ex.wts.sum(1), torch.full((tokens,), w8.cfg.routed_scaling_factor, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -485,15 +489,52 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-def test_fused_front_occupancy_builds_match_the_reference(w8, n):
-    """'focc12' (the routing front kernel capped at 40 registers) gives the reference at one token and, where it
-    does not apply (m_tile 8), leaves the step as it is."""
+@pytest.mark.parametrize("variant", ["focc12", "skeys0"])
+def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
+    """'focc12' (the routing front kernel with its keys in shared memory, capped at 40 registers) and 'skeys0'
+    (the keys in registers, 128 registers) give the reference at one token and, where they do not apply
+    (m_tile 2 and 8), leave the step as it is."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(n, D, seed=140 + n, device="cuda")
-    ex = FusedMoE(w8, x, variant="focc12")
-    assert ex.variant.startswith("focc12+") == (n == 1), ex.variant
-    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="focc12"), w8, x)
+    ex = FusedMoE(w8, x, variant=variant)
+    assert ex.variant.startswith(variant + "+") == (n == 1), ex.variant
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
     assert r["all_written"] and r["check_ok"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tail_ring_equals_the_plain_tail(tp, seed):
+    """At one token the tail is the persistent bulk-copy ring (`moe_tail_ring`); 'tring0' keeps the plain GEMV.
+    Both give the reference, and the same output up to the order of the sums."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    w = _weights(tp)
+    x = moe_input(1, D, seed=180 + seed, device="cuda")
+    a, b = FusedMoE(w, x), FusedMoE(w, x, variant="tring0")
+    assert a.kernels_used.endswith("moe_tail_ring") and b.variant.startswith("tring0+"), (a.kernels_used, b.variant)
+    a(), b()
+    torch.cuda.synchronize()
+    assert not a.h.isnan().any()
+    _same_up_to_summation_order(a.h, b.h)
+    for variant in (None, "tring0"):
+        r = check_moe(lambda ww, xx: FusedMoE(ww, xx, variant=variant), w, x)
+        assert r["all_written"] and r["check_ok"], (variant, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_routing_keys_in_shared_memory_equal_keys_in_registers(w8, seed):
+    """At one token the front kernel routes with its keys in shared memory (skeys, the default) or in registers
+    ('skeys0'): the same experts in the same order with bit-identical weights."""
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(1, D, seed=170 + seed, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="skeys0")
+    assert "skeys" not in a.variant and b.variant.startswith("skeys0+")
+    a(), b()
+    torch.cuda.synchronize()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
+    _same_up_to_summation_order(a.h, b.h)
 
 
 def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
@@ -643,16 +684,75 @@ def test_every_built_variant_has_a_build_with_and_without_pdl():
 
 
 def test_fitted_m_tile_option_parses_and_is_built_ahead_of_time():
-    """'mtfit': the front and tail GEMVs at m_tile 2 or 4 for 2-4 tokens (m_tile 8 computes 8 token columns and
-    holds 217 / 242 registers); built ahead of time at TP8, with and without PDL for the tail."""
+    """The front and tail GEMVs take the smallest m_tile of 1, 2, 4, 8 that holds the step (m_tile 8 computes 8
+    token columns and holds 217 / 242 registers); 'mtfit0' keeps m_tile 8 from 2 tokens on. Every tile is built
+    ahead of time at TP8 and TP16, with and without routing, and the tail with and without PDL."""
     from kimi_decode.kernels import moe as km
-    assert km.split_front_options("mtfit-cand0") == (dict(m_tile_fit=True, candidates=False), None)
-    assert [km.fit_m_tile(m) for m in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 8]
+    assert km.split_front_options("mtfit0-cand0") == (dict(m_tile_fit=False, candidates=False), None)
+    assert km.split_front_options("mtfit") == (dict(m_tile_fit=True), None)
+    assert [km.pick_m_tile(m) for m in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 8]
+    assert [km.pick_m_tile(m, km.M8_TILES) for m in (1, 2, 4, 9)] == [1, 8, 8, 8]
+    for tp in (8, 16):
+        s = km.shapes_for_tp(tp)
+        for mt in km.M_TILES:
+            for sep in (False, True):
+                key = km.front_key_for(s, mt, sep)[0]
+                assert key.m_tile == mt and key in km.FRONT.aot_keys("sm_90a"), (tp, mt, sep)
+            for p in (True, False):
+                assert km.MoETailKey(s, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a"), (tp, mt, p)
+    for mt in km.M_TILES:  # 'cand0' at TP8
+        key = km.front_key_for(km.shapes_for_tp(8), mt, False, {"candidates": False})[0]
+        assert key in km.FRONT.aot_keys("sm_90a")
+
+
+def test_front_key_for_picks_tiles_keys_and_occupancy():
+    """One token with routing in the front kernel: keys in shared memory, FRONT_SKEYS_CTAS CTAs per SM; the
+    options change that and are named in the tags; above one token (or with a routing launch) they do not apply."""
+    from kimi_decode.kernels import moe as km
     s = km.shapes_for_tp(8)
-    for mt in (2, 4):
-        assert km.MoEFrontKey(s, m_tile=mt) in km.FRONT.aot_keys("sm_90a")
+    key, tags = km.front_key_for(s, 1, False)
+    assert (key.m_tile, key.route, key.smem_keys, key.min_ctas, tags) == (1, True, True, km.FRONT_SKEYS_CTAS, [])
+    key, tags = km.front_key_for(s, 1, False, {"smem_keys": False})
+    assert (key.smem_keys, key.min_ctas, tags) == (False, 0, ["skeys0"])
+    key, tags = km.front_key_for(s, 1, False, {"min_ctas": 12})
+    assert (key.smem_keys, key.min_ctas, tags) == (True, 12, ["focc12"])
+    key, tags = km.front_key_for(s, 1, True, {"smem_keys": False, "min_ctas": 10})
+    assert (key.route, key.smem_keys, key.min_ctas, tags) == (False, False, 0, [])
+    for m, mt in ((2, 2), (3, 4), (4, 4), (5, 8), (9, 8)):
+        key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": False, "min_ctas": 10})
+        assert (key.m_tile, key.smem_keys, key.min_ctas, tags) == (mt, False, 0, []), m
+    key, tags = km.front_key_for(s, 2, False, {"m_tile_fit": False, "candidates": False})
+    assert (key.m_tile, key.candidates, tags) == (8, False, ["cand0", "mtfit0"])
+    for o in ({}, {"smem_keys": False}, {"min_ctas": 12}, {"candidates": False}, {"m_tile_fit": False}):
+        for m in range(1, 10):
+            assert km.front_key_for(s, m, m > 8, o)[0] in km.FRONT.aot_keys("sm_90a"), (o, m)
+    for m in range(1, 10):
+        assert km.front_key_for(km.shapes_for_tp(16), m, m > 8)[0] in km.FRONT.aot_keys("sm_90a"), m
+    assert km.split_front_options("skeys0-focc10") == (dict(smem_keys=False, min_ctas=10), None)
+
+
+def test_tail_ring_key_checks_and_builds(compiler):
+    """The one-token tail ring (`moe_tail_ring`): one bulk copy per slot of whole rows, a full and an empty mbarrier
+    per slot, r held in registers without spilling, its ring within the SM's shared memory; built ahead of time at
+    TP8 and TP16, with and without PDL; bad shapes are refused before any build."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_tail_ring as tr
+    for tp in (8, 16):
         for p in (True, False):
-            assert km.MoETailKey(s, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a")
+            assert tr.MoETailRingKey(km.shapes_for_tp(tp), pdl=p) in tr.TAIL_RING.aot_keys("sm_90a")
+    key = tr.MoETailRingKey(km.shapes_for_tp(8))
+    assert tr.tail_ring_smem_bytes(key) <= tr.SMEM_MAX
+    use = kc.resource_usage(key)
+    assert use["LOCAL"] == 0 and use["STACK"] == 0 and use["REG"] <= 255, use
+    ptx = kc.ptx_text(key)
+    assert "cp.async.bulk.shared::cluster.global" in ptx and "mbarrier.try_wait" in ptx
+    assert ptx.count("griddepcontrol.wait") == 1
+    with pytest.raises(ValueError, match="must divide"):
+        tr.MoETailRingKey(km.shapes_for_tp(8), rows_per_stage=5)
+    with pytest.raises(ValueError, match="shared memory"):
+        tr.MoETailRingKey(km.shapes_for_tp(8), stages=9)
+    assert km.split_front_options("tring0-skeys0") == (dict(tail_ring=False, smem_keys=False), None)
 
 
 def test_front_occupancy_option_parses_and_refuses_bad_counts():
@@ -672,23 +772,30 @@ def test_front_occupancy_option_parses_and_refuses_bad_counts():
 
 
 def test_front_occupancy_builds_cap_registers_and_are_built_ahead_of_time(compiler):
-    """'foccN' asks ptxas for N front CTAs of 128 threads per SM: at 12 the registers fall from 95 (the routing
-    code's) to the GEMV's 40, and only the routing path (one CTA) may spill; its score loads still come first."""
+    """With its routing keys in shared memory (the default at one token) the front kernel is built for
+    FRONT_SKEYS_CTAS (or 'foccN': N) CTAs of 128 threads per SM: the registers fall from 128 (the keys in
+    registers) to 48 at 10 CTAs (40 at 12), and at the default the GEMV path (before the router counter's atomic)
+    does not spill; the logit loads are issued before the sigmoids' first call."""
     import re
 
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     s = km.shapes_for_tp(8)
-    assert kc.resource_usage(km.MoEFrontKey(s))["REG"] > 65536 // (12 * 128)  # why the option exists
-    for n in km.FRONT_OCC_AOT:
-        key = km.MoEFrontKey(s, min_ctas=n)
-        assert key in km.FRONT.aot_keys("sm_90a")
+    assert kc.resource_usage(km.front_key_for(s, 1, False, {"smem_keys": False})[0])["REG"] > 65536 // (5 * 128)
+    for n in (km.FRONT_SKEYS_CTAS, *km.FRONT_OCC_AOT):
+        key = km.front_key_for(s, 1, False, {"min_ctas": n})[0]
+        assert key.smem_keys and key in km.FRONT.aot_keys("sm_90a")
         assert f".minnctapersm {n}" in kc.ptx_text(key)
         regs = kc.resource_usage(key)["REG"]
         assert regs * 128 * n <= 65536, (n, regs)
-        ops = re.findall(r"\b(LDG\.E(?:\.\w+)*|CALL\.REL\S*)", kc.sass_text(key))
+        sass = kc.sass_text(key)
+        ops = re.findall(r"\b(LDG\.E(?:\.\w+)*|CALL\.REL\S*|ATOM\S*|STL\S*|LDL\S*)", sass)
+        first_atom = next(i for i, op in enumerate(ops) if op.startswith("ATOM"))
+        if n == km.FRONT_SKEYS_CTAS:  # the default: at 12 (40 registers) ptxas spills in the GEMV path too
+            assert not [op for op in ops[:first_atom] if op[:3] in ("STL", "LDL")], "the GEMV path spills"
+        assert sum(op == "LDG.E.128" for op in ops[:first_atom]) >= 7  # the GEMV's row loads come first
         first_call = next(i for i, op in enumerate(ops) if op.startswith("CALL"))
-        assert sum(op == "LDG.E" for op in ops[:first_call]) >= 2 * km.E // 32
+        assert sum(op == "LDG.E" for op in ops[first_atom:first_call]) >= km.E // 32
 
 
 def test_moe_down_prologue_arms_one_mbarrier_per_round_trip(compiler):

@@ -77,9 +77,13 @@ class MoEShape:
 def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
-    (None if nothing is). focc N: the front kernel with routing built for N resident CTAs per SM; cand0 / cand1:
-    routing without / with the candidate selection (`route_tokens`, on by default); mtfit: the front and tail
-    GEMVs built for the step's token count (m_tile 2 or 4, `FIT_M_TILES`) instead of 8 at 2-4 tokens."""
+    (None if nothing is). focc N: the front kernel with routing built for N resident CTAs per SM (default with
+    skeys: FRONT_SKEYS_CTAS); skeys0 / skeys: its routing keys in registers / in shared memory (one token, m_tile 1;
+    the default since run 49, `route_tokens` SKEYS); tring0 / tring: the one-token tail as the plain GEMV / as the
+    persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cand0 / cand1:
+    routing without / with the candidate selection (`route_tokens`, on by default); mtfit0 / mtfit: the front and
+    tail GEMVs at m_tile 8 for 2-8 tokens (`M8_TILES`, the kernels before run 49) / at the smallest m_tile of
+    `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49)."""
     import re
 
     if not variant:
@@ -88,8 +92,12 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     for tok in variant.split("-"):
         if m := re.fullmatch(r"cand([01]?)", tok):
             front["candidates"] = m.group(1) != "0"
-        elif tok == "mtfit":
-            front["m_tile_fit"] = True
+        elif m := re.fullmatch(r"mtfit([01]?)", tok):
+            front["m_tile_fit"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"skeys([01]?)", tok):
+            front["smem_keys"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"tring([01]?)", tok):
+            front["tail_ring"] = m.group(1) != "0"
         elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
@@ -100,7 +108,10 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     return front, "-".join(rest) or None
 
 
-FRONT_OCC_AOT = (8, 12)  # the 'foccN' builds made ahead of time (TP8, m_tile 1)
+FRONT_OCC_AOT = (12,)  # the 'foccN' builds made ahead of time besides the default (TP8, m_tile 1, with skeys)
+# resident front CTAs per SM asked for with the keys in shared memory: 48 registers, no spills (at 12, 40 registers,
+# ptxas spills in the GEMV path too)
+FRONT_SKEYS_CTAS = 10
 FRONT_MAX_CTAS = 16  # CTAs of 4 warps that fit the SM's 64 warps
 FRONT_SMEM_CARVEOUT = 50  # percent of the SM's 256 KB for shared memory with 'foccN': room for 16 front CTAs
 
@@ -115,6 +126,9 @@ class MoEFrontKey:
     # the GEMV alone has 12; capped, the routing path (one CTA) may spill. 0: no cap
     min_ctas: int = 0
     candidates: bool = True  # routing by candidates (`route_tokens`); 'cand0': by the bitwise search alone
+    # the routing's keys in shared memory (`route_tokens` SKEYS): the kernel keeps about the GEMV's registers
+    # instead of 128 (4 CTAs per SM); 'skeys0': in registers (the kernels before run 49)
+    smem_keys: bool = False
     arch: str = "sm_90a"
 
 
@@ -267,7 +281,8 @@ _ROUTE = None
 def route_tokens():
     """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
 
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING, CAND)
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys, WARPS, SCALING,
+                       CAND, SKEYS)
 
     One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers.
     With CAND (the default since run 43): the 16th largest of the 32 lane maxima, m16, bounds the 16th
@@ -281,7 +296,10 @@ def route_tokens():
     expert-major tables, from per-expert token counts in shared memory (`cnt` [E] Int32, `wtot` [WARPS]
     Int32) and one CTA scan: mMeta[0] = number of active experts, mAct[j] the j-th active expert
     (ascending), mList[j] = (offset, count) of its tokens in mTok [TOPK · M] (the (expert, token) pairs,
-    grouped by expert).
+    grouped by expert). With SKEYS warp 0 routes every token, one after the other, with the keys in shared
+    memory (`kys`, [E] Int32) instead of 28 registers a lane, the logits and biases loaded in two groups: the
+    front kernel can then be capped at the GEMV's registers without spilling the routing (its occupancy),
+    at the price of shared-memory loads in the routing (and, above one token, of one warp routing them all).
     """
     global _ROUTE
     if _ROUTE is None:
@@ -293,31 +311,66 @@ ROUTE_LIST = 32  # (key, index) entries per routing warp: the candidates of the 
 ROUTE_LIST_WORDS = 2 * ROUTE_LIST  # Int32 words of shared memory per routing warp
 
 
-def route_smem_bytes(warps: int) -> int:
+def route_smem_bytes(warps: int, smem_keys: bool = False) -> int:
     """Shared memory the routing of a CTA of `warps` warps needs (`route_smem`), with alignment slack."""
-    return 4 * E + 4 * warps * (ROUTE_LIST_WORDS + 1) + 128
+    return 4 * E + 4 * warps * (ROUTE_LIST_WORDS + 1) + (4 * E if smem_keys else 0) + 144
 
 
-def route_smem(smem, warps: int):
-    """(cnt, lst, wtot): the routing's shared-memory tensors, allocated from `smem` (traced in a kernel)."""
+def route_smem(smem, warps: int, smem_keys: bool = False):
+    """(cnt, lst, wtot, kys): the routing's shared-memory tensors, allocated from `smem` (traced in a kernel);
+    kys ([E] Int32, the keys of the token being routed) only with `smem_keys`, else kys is lst (unused)."""
     import cutlass.cute as cute
     from cutlass import Int32
 
     cnt = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
     lst = smem.allocate_tensor(Int32, cute.make_layout((warps * ROUTE_LIST_WORDS,)), byte_alignment=16)
     wtot = smem.allocate_tensor(Int32, cute.make_layout((warps,)), byte_alignment=16)
-    return cnt, lst, wtot
+    kys = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16) if smem_keys else lst
+    return cnt, lst, wtot, kys
+
+
+def _token_step(smem_keys: bool, warps: int) -> int:
+    """The routing's stride over tokens: one warp per token, or (smem_keys) warp 0 for all of them."""
+    return 1 if smem_keys else warps
+
+
+class _SmemKeys:
+    """Trace-time view of one lane's keys in shared memory: keys[j] is the key of expert lane + 32 j, at
+    kys[lane + 32 j] (each lane reads only what it wrote, no barrier needed)."""
+
+    def __init__(self, kys, base):
+        self.kys, self.base = kys, base
+
+    def __getitem__(self, j):
+        return self.kys[self.base + 32 * j]
+
+    def __setitem__(self, j, value):
+        self.kys[self.base + 32 * j] = value
+
+
+def _f32_bits(f):
+    """fp32 -> its bits as Int32 (traced)."""
+    from cutlass import Int32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Int32(llvm.bitcast(T.i32(), f.ir_value()))
+
+
+def _bits_f32(i):
+    """Int32 bits -> fp32 (traced)."""
+    from cutlass import Float32
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return Float32(llvm.bitcast(T.f32(), i.ir_value()))
 
 
 def _order_key(f):
     """fp32 -> Int32 whose signed order is the float order (traced)."""
     from cutlass import Int32
 
-    b = f.ir_value()
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
-
-    bits = Int32(llvm.bitcast(T.i32(), b))
+    bits = _f32_bits(f)
     return bits ^ ((bits >> 31) & Int32(0x7FFFFFFF))
 
 
@@ -335,7 +388,8 @@ def _make_route():
     @cute.jit
     def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
               mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, cnt: cute.Tensor,
-              lst: cute.Tensor, wtot: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr, CAND: Constexpr = True):
+              lst: cute.Tensor, wtot: cute.Tensor, kys: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr,
+              CAND: Constexpr = True, SKEYS: Constexpr = False):
         THREADS = 32 * WARPS
         CH = -(-E // THREADS)
         tid, _, _ = cute.arch.thread_idx()
@@ -346,16 +400,31 @@ def _make_route():
         for e in cutlass.range(tid, E, THREADS):
             cnt[e] = Int32(0)
         cute.arch.barrier()
-        for t in cutlass.range(warp, M, WARPS):
-            ky = cute.make_rmem_tensor((NPL,), Int32)
-            # every logit and bias load is issued before any arithmetic: the IEEE reciprocal of the sigmoid
-            # has a slow-path branch that loads are not moved across, so interleaved they ran one L2 round
-            # trip after another (56 of them: about 19 µs for one token on the H200)
-            lgs = [mO[t, lane + 32 * j] for j in range(NPL)]
-            bss = [mBias[lane + 32 * j] for j in range(NPL)]
-            for j in cutlass.range_constexpr(NPL):
-                sj = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j])) + bss[j]
-                ky[j] = _order_key(sj)
+        t0 = warp
+        if const_expr(SKEYS):  # warp 0 routes every token, one after the other (the others start past the last)
+            t0 = warp * M
+        for t in cutlass.range(t0, M, _token_step(SKEYS, WARPS)):
+            if const_expr(SKEYS):
+                # the keys in shared memory (SKEYS): no 28 key registers, and the logits and the biases in
+                # flight one group after the other (28 registers, two round trips), so that the kernel holding
+                # the routing keeps the GEMV's registers. The same arithmetic: σ rounded to fp32, plus the bias
+                ky = _SmemKeys(kys, lane)
+                lgs = [mO[t, lane + 32 * j] for j in range(NPL)]
+                for j in cutlass.range_constexpr(NPL):
+                    ky[j] = _f32_bits(Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j])))
+                bss = [mBias[lane + 32 * j] for j in range(NPL)]
+                for j in cutlass.range_constexpr(NPL):
+                    ky[j] = _order_key(_bits_f32(ky[j]) + bss[j])
+            else:
+                ky = cute.make_rmem_tensor((NPL,), Int32)
+                # every logit and bias load is issued before any arithmetic: the IEEE reciprocal of the sigmoid
+                # has a slow-path branch that loads are not moved across, so interleaved they ran one L2 round
+                # trip after another (56 of them: about 19 µs for one token on the H200)
+                lgs = [mO[t, lane + 32 * j] for j in range(NPL)]
+                bss = [mBias[lane + 32 * j] for j in range(NPL)]
+                for j in cutlass.range_constexpr(NPL):
+                    sj = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lgs[j])) + bss[j]
+                    ky[j] = _order_key(sj)
             lw = warp * LIST  # this warp's (key, index) list in shared memory
             mk = Int32(INT_MIN)  # this lane's entry of the list: key and expert index
             mine = Int32(0)
@@ -520,6 +589,7 @@ def build_front(key: MoEFrontKey):
     ROUTER_CTAS = E // R
     SCALING = sh.scaling
     ROUTE = key.route
+    SKEYS = key.route and key.smem_keys
     assert E % R == 0 and N % R == 0
     # a carveout given keeps the DSL from asking a GPU for the SM's shared memory (the build runs without one)
     occupancy = dict(min_blocks_per_mp=key.min_ctas, preferred_smem_carveout=FRONT_SMEM_CARVEOUT) if key.min_ctas else {}
@@ -536,7 +606,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        cnt, lst, wtot = route_smem(smem, WARPS)
+        cnt, lst, wtot, kys = route_smem(smem, WARPS, SKEYS)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
         gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
@@ -556,8 +626,8 @@ def build_front(key: MoEFrontKey):
                 cute.arch.barrier()
                 if flag[0] != 0:  # the last router CTA: every logit of the step is written
                     cute.arch.fence_acq_rel_gpu()
-                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot,
-                                   WARPS, SCALING, key.candidates)
+                    route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys,
+                                   WARPS, SCALING, key.candidates, SKEYS)
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
 
@@ -568,7 +638,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + route_smem_bytes(WARPS), stream=stream, **occupancy)
+            smem=4 * WARPS * RM + route_smem_bytes(WARPS, SKEYS), stream=stream, **occupancy)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -596,11 +666,11 @@ def build_route(key: MoERouteKey):
     def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
                      mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
-        cnt, lst, wtot = route_smem(smem, WARPS)
+        cnt, lst, wtot, kys = route_smem(smem, WARPS)
         if const_expr(PDL):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, WARPS, SCALING,
+        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys, WARPS, SCALING,
                        key.candidates)
 
     @cute.jit
@@ -1008,8 +1078,8 @@ def build_tail(key: MoETailKey):
 
 # --------------------------------------------------------------------------- registry
 
-M_TILES = (1, 8)
-FIT_M_TILES = (1, 2, 4, 8)  # 'mtfit': the smallest that holds the step's tokens (2 and 4 built ahead of time at TP8)
+M_TILES = (1, 2, 4, 8)  # the front and tail GEMVs' token tiles: the smallest that holds the step (since run 49)
+M8_TILES = (1, 8)  # 'mtfit0': m_tile 8 from 2 tokens on (before run 49; run 48 measured both)
 
 
 def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
@@ -1017,9 +1087,25 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
     return next((t for t in tiles if t >= m), tiles[-1])
 
 
-def fit_m_tile(m: int) -> int:
-    """The m_tile with 'mtfit' (FIT_M_TILES: 2 and 4 as well)."""
-    return pick_m_tile(m, FIT_M_TILES)
+def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
+                  arch: str = "sm_90a") -> tuple[MoEFrontKey, list[str]]:
+    """The front kernel for a step of m tokens with the routing options `options` (`split_front_options`), and
+    the tags of the options that changed it from the default (for the variant name). m_tile: the smallest of
+    M_TILES that holds the step ('mtfit0': of M8_TILES); with the routing in the front kernel at m_tile 1, the
+    routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM ('skeys0': in registers, no cap; 'foccN': N)."""
+    o = options or {}
+    mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
+    m8 = mt != pick_m_tile(m)
+    cand = o.get("candidates", True)
+    one = mt == 1 and not separate_routing  # the routing front at one token: the occupancy options apply
+    sk = one and o.get("smem_keys", True)
+    occ_default = FRONT_SKEYS_CTAS if sk else 0
+    occ = o.get("min_ctas", occ_default) if one else 0
+    tags = [tag for tag, on in (("cand0", not cand), ("skeys0", one and not sk), (f"focc{occ}", occ != occ_default),
+                                ("mtfit0", m8)) if on]
+    key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
+                      candidates=cand or separate_routing, smem_keys=sk, arch=arch)  # no routing: the default key
+    return key, tags
 
 
 def shapes_for_tp(tp: int) -> MoEShape:
@@ -1061,12 +1147,15 @@ def aot_keys_for(kind: str):
         out = []
         for tp in (8, 16):
             s = shapes_for_tp(tp)
-            if kind == "front":
-                out += [MoEFrontKey(s, m_tile=mt, route=r, arch=arch) for mt in M_TILES for r in (True, False)]
-                if tp == 8:  # 'foccN' (m_tile 1: at m_tile 8 the GEMV alone holds over 200 registers)
-                    out += [MoEFrontKey(s, m_tile=1, min_ctas=n, arch=arch) for n in FRONT_OCC_AOT]
-                    out += [MoEFrontKey(s, m_tile=mt, candidates=False, arch=arch) for mt in M_TILES]  # 'cand0'
-                    out += [MoEFrontKey(s, m_tile=mt, arch=arch) for mt in (2, 4)]  # 'mtfit'
+            if kind == "front":  # every m_tile, routing in the front kernel or not; at TP8 the options
+                opts = [{}] + ([{"candidates": False}, {"smem_keys": False}, {"m_tile_fit": False}]
+                               + [{"min_ctas": n} for n in FRONT_OCC_AOT] if tp == 8 else [])
+                for o in opts:
+                    for m in (1, 2, 3, 8):
+                        for sep in (False, True):
+                            key = front_key_for(s, m, sep, o, arch)[0]
+                            if key not in out:
+                                out.append(key)
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:
@@ -1083,8 +1172,6 @@ def aot_keys_for(kind: str):
                                        arch=arch) for w, r, e, x in TUNE_DOWN for p in (True, False)]
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
-                if tp == 8:  # 'mtfit'
-                    out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in (2, 4) for p in (True, False)]
         return out
     return keys
 

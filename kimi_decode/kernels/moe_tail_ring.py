@@ -1,0 +1,184 @@
+"""The MoE tail at one token as a persistent GEMV that streams W_up through a bulk-copy ring (`moe_tail_ring`).
+
+Same result as `moe.build_tail` at m_tile 1 (`kimi_k3_layer.md` §6.3, the last launch of the MoE half):
+
+    out[n] = (Σ_k W_up[n, k] · r[k]) · rsqrt(Σ r² / L + eps) + Σ_p coef[p] · sh[p, n]     (bf16 out)
+
+with r = the reduced latent times the RMSNorm weight (bf16, written by moe_down), Σ r² per token (moe_down), and
+the shared experts' all-reduce read over `tp` buffers.
+
+Why a second tail: the plain GEMV gives each row its own CTA (7 KB of loads), and under moe_down's 217 KB of shared
+memory only a few of them fit beside it, so at one token the tail streams W_up (51.4 MB at TP8) at the GEMV's 83%
+of the copy bandwidth (run 46: 14.5 µs against 12.1) and little of it is in flight before moe_down ends. Here one
+CTA per SM owns every G-th block of `rows_per_stage` consecutive rows (contiguous bytes: one bulk copy per block).
+A producer lane fills `stages` ring slots as soon as the CTA starts, before `griddepcontrol.wait` (W_up does not
+depend on moe_down), so each SM holds up to 200 KB of W_up (about half of it over 132 SMs) by the time r is ready;
+then it refills each slot as the consumer warps release it (an `empty` mbarrier per slot, one arrival per warp).
+Each consumer warp takes one row of a slot: its lanes hold r (fp32, 112 values a lane) in registers, read the row
+from shared memory in 16-byte chunks, and one warp sum gives the dot product.
+
+One token only: `FusedMoE` uses it for single-token steps (the `m_tile` 1 tail), the plain GEMV otherwise.
+"""
+
+from dataclasses import dataclass
+
+from .. import compile as kc
+from .moe import D, L, MoEShape, shapes_for_tp
+from .moe_pipe import H200_SMS
+
+SMEM_MAX = 227 * 1024  # usable shared memory per CTA on the H200
+
+
+@dataclass(frozen=True)
+class MoETailRingKey:
+    shape: MoEShape
+    rows_per_stage: int = 4  # W_up rows per ring slot: one per consumer warp (one bulk copy of 4 · 7 KB)
+    stages: int = 7  # ring slots: 7 · 28 KB = 196 KB
+    ctas: int = H200_SMS  # persistent CTAs (one per SM)
+    pdl: bool = True
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if D % self.rows_per_stage:
+            raise ValueError(f"rows_per_stage={self.rows_per_stage} must divide D={D}")
+        if not 1 <= self.rows_per_stage <= 16:
+            raise ValueError("rows_per_stage is the consumer warp count: 1..16")
+        if tail_ring_smem_bytes(self) > SMEM_MAX:
+            raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {tail_ring_smem_bytes(self)} B "
+                             f"of shared memory, over {SMEM_MAX}")
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.rows_per_stage * L * 2
+
+    @property
+    def max_items(self) -> int:
+        """Row blocks a CTA owns at most."""
+        return -(-(D // self.rows_per_stage) // self.ctas)
+
+
+def tail_ring_smem_bytes(key: MoETailRingKey) -> int:
+    """The ring, its two mbarriers per slot, and the shared all-reduce term of each of the CTA's rows."""
+    return key.stages * key.stage_bytes + 16 * key.stages + 4 * key.max_items * key.rows_per_stage + 256
+
+
+def build_tail_ring(key: MoETailRingKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+    from .ptx_ops import bf16x2_to_f32, bulk_g2s
+
+    sh = key.shape
+    TP, EPS, PDL = sh.tp, sh.eps, key.pdl
+    RS, ST, G = key.rows_per_stage, key.stages, key.ctas
+    NB = D // RS  # row blocks
+    NI = key.max_items
+    SB = key.stage_bytes
+    WORDS = L // 2  # Int32 words (bf16 pairs) of a row
+    NCH = WORDS // 4 // 32  # 16-byte chunks a lane reads per row
+    assert WORDS % 128 == 0
+    CONS = 32 * RS  # consumer threads
+    THREADS = CONS + 32  # and one producer warp
+    bulk, unpack = bulk_g2s(), bf16x2_to_f32()
+
+    @cute.kernel
+    def tail_ring_kernel(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                         mO: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        ring = smem.allocate_tensor(Int32, cute.make_layout((ST, RS, WORDS), stride=(RS * WORDS, WORDS, 1)),
+                                    byte_alignment=128)
+        full = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        empty = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        shs = smem.allocate_tensor(Float32, cute.make_layout((NI * RS,)), byte_alignment=16)
+        nitems = (NB - bx + G - 1) // G  # row blocks bx, bx + G, ...
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(full.iterator + s, 1)
+                cute.arch.mbarrier_init(empty.iterator + s, RS)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+        if warp == RS:  # the producer: W_up does not depend on moe_down, so the ring fills before the wait
+            if lane == 0:
+                w0 = mW.iterator.toint()
+                r0 = ring.iterator.toint()
+                for n in cutlass.range(nitems):
+                    slot = n % ST
+                    if n >= ST:  # the slot's previous block has been read by every consumer warp
+                        cute.arch.mbarrier_wait(empty.iterator + slot, (n // ST - 1) % 2)
+                    cute.arch.mbarrier_arrive_and_expect_tx(full.iterator + slot, SB)
+                    bulk(r0 + slot * SB, w0 + Int64(bx + n * G) * SB, SB, (full.iterator + slot).toint())
+        else:
+            if const_expr(PDL):  # r, Σ r² and this rank's shared partial are moe_down's
+                cute.arch.griddepcontrol_wait()
+            # r in registers as fp32: chunk lane + 32 i (8 values) of the row
+            xw = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32), cute.make_layout((WORDS,)))
+            gX = cute.zipped_divide(xw, (4,))
+            xv = [gX[(None, lane + 32 * i)].load() for i in range(NCH)]
+            xf = []
+            for i in cutlass.range_constexpr(NCH):
+                for q in cutlass.range_constexpr(4):
+                    lo, hi = unpack(xv[i][q])
+                    xf.append(lo)
+                    xf.append(hi)
+            rs = cute.math.rsqrt(mSsq[0] * Float32(1.0 / L) + Float32(EPS))
+            # the shared all-reduce term of each of this CTA's rows, loaded once (latency off the row loop)
+            for idx in cutlass.range(tid, nitems * RS, CONS):
+                n = idx // RS
+                row = (bx + n * G) * RS + (idx - n * RS)
+                a = Float32(0.0)
+                for p_ in cutlass.range_constexpr(TP):
+                    a = a + mCoef[p_] * mSh[p_, 0, row].to(Float32)
+                shs[idx] = a
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONS)
+            gR = cute.zipped_divide(ring, (1, 1, 4))
+            for n in cutlass.range(nitems):
+                slot = n % ST
+                cute.arch.mbarrier_wait(full.iterator + slot, (n // ST) % 2)
+                acc = [Float32(0.0), Float32(0.0)]  # two chains
+                for i in cutlass.range_constexpr(NCH):
+                    v = gR[(None, (slot, warp, lane + 32 * i))].load()
+                    for q in cutlass.range_constexpr(4):
+                        lo, hi = unpack(v[q])
+                        acc[q % 2] = acc[q % 2] + lo * xf[8 * i + 2 * q]
+                        acc[q % 2] = acc[q % 2] + hi * xf[8 * i + 2 * q + 1]
+                tot = cute.arch.warp_reduction_sum(acc[0] + acc[1])
+                cute.arch.sync_warp()  # every lane has read the slot
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty.iterator + slot)
+                    row = (bx + n * G) * RS + warp
+                    mO[0, row] = (tot * rs + shs[n * RS + warp]).to(BFloat16)
+
+    @cute.jit
+    def tail_ring_host(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                       mO: cute.Tensor, stream):
+        tail_ring_kernel(mW, mX, mSsq, mSh, mCoef, mO).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=tail_ring_smem_bytes(key), stream=stream, use_pdl=PDL)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    args = (
+        fake(BFloat16, (D, L), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, L), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m,), assumed_align=16),
+        fake(BFloat16, (TP, m, D), stride_order=(2, 1, 0), assumed_align=16),
+        fake(Float32, (TP,), assumed_align=16),
+        fake(BFloat16, (m, D), stride_order=(1, 0), assumed_align=16),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    )
+    return tail_ring_host, args
+
+
+def _aot_keys(arch: str):
+    return [MoETailRingKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (True, False)]
+
+
+TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key_type=MoETailRingKey,
+                                      build=build_tail_ring, aot_keys=_aot_keys,
+                                      ptx_checks=("cp.async.bulk", "mbarrier")))
+
+__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "TAIL_RING"]
