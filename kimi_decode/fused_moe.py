@@ -113,7 +113,9 @@ class FusedMoE:
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
-        shows it only there; 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
+        shows it only there; at one token the front and the tail are persistent GEMVs streaming their weights
+        through bulk-copy rings (`kernels/moe_front_ring.py`, `kernels/moe_tail_ring.py`; 'fring0' and 'tring0' take
+        the plain GEMVs instead); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
         1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
@@ -152,7 +154,7 @@ class FusedMoE:
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
         # the front kernel and, in the variant name, the routing kernels' options where they changed it
         front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch)
-        mt = front_key.m_tile
+        mt = getattr(front_key, "m_tile", 1)  # the one-token ring front has no m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
         ring = N == 1 and route_kw.get("tail_ring", True)

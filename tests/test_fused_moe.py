@@ -489,11 +489,11 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["focc12", "skeys0"])
+@pytest.mark.parametrize("variant", ["skeys", "fring0"])
 def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
-    """'focc12' (the routing front kernel with its keys in shared memory, capped at 40 registers) and 'skeys0'
-    (the keys in registers, 128 registers) give the reference at one token and, where they do not apply
-    (m_tile 2 and 8), leave the step as it is."""
+    """'skeys' (the plain front with its routing keys in shared memory, 48 registers) and 'fring0' (the plain front,
+    keys in registers, 128 registers) give the reference at one token and, where they do not apply (m_tile 2 and
+    8), leave the step as it is."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(n, D, seed=140 + n, device="cuda")
     ex = FusedMoE(w8, x, variant=variant)
@@ -525,16 +525,18 @@ def test_tail_ring_equals_the_plain_tail(tp, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_routing_keys_in_shared_memory_equal_keys_in_registers(w8, seed):
-    """At one token the front kernel routes with its keys in shared memory (skeys, the default) or in registers
-    ('skeys0'): the same experts in the same order with bit-identical weights."""
+    """At one token the ring front (the default), the plain front ('fring0') and the plain front with its keys in
+    shared memory ('skeys') route alike: the same experts in the same order with bit-identical weights."""
     from kimi_decode.moe_bench import moe_input
     x = moe_input(1, D, seed=170 + seed, device="cuda")
-    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="skeys0")
-    assert "skeys" not in a.variant and b.variant.startswith("skeys0+")
-    a(), b()
+    a, b, c = FusedMoE(w8, x), FusedMoE(w8, x, variant="fring0"), FusedMoE(w8, x, variant="skeys")
+    assert a.kernels_used.startswith("moe_front_ring+") and b.variant.startswith("fring0+")
+    assert c.variant.startswith("skeys+")
+    a(), b(), c()
     torch.cuda.synchronize()
-    assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
-    _same_up_to_summation_order(a.h, b.h)
+    for o in (b, c):
+        assert torch.equal(a.ids, o.ids) and torch.equal(a.wts, o.wts)
+        _same_up_to_summation_order(a.h, o.h)
 
 
 def test_prefetch_variants_compile_with_the_l2_prefetch(compiler):
@@ -696,39 +698,72 @@ def test_fitted_m_tile_option_parses_and_is_built_ahead_of_time():
         s = km.shapes_for_tp(tp)
         for mt in km.M_TILES:
             for sep in (False, True):
-                key = km.front_key_for(s, mt, sep)[0]
+                key = km.front_key_for(s, mt, sep, {"front_ring": False})[0]
                 assert key.m_tile == mt and key in km.FRONT.aot_keys("sm_90a"), (tp, mt, sep)
             for p in (True, False):
                 assert km.MoETailKey(s, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a"), (tp, mt, p)
     for mt in km.M_TILES:  # 'cand0' at TP8
-        key = km.front_key_for(km.shapes_for_tp(8), mt, False, {"candidates": False})[0]
+        key = km.front_key_for(km.shapes_for_tp(8), mt, False, {"candidates": False, "front_ring": False})[0]
         assert key in km.FRONT.aot_keys("sm_90a")
 
 
 def test_front_key_for_picks_tiles_keys_and_occupancy():
-    """One token with routing in the front kernel: keys in shared memory, FRONT_SKEYS_CTAS CTAs per SM; the
-    options change that and are named in the tags; above one token (or with a routing launch) they do not apply."""
+    """One token with routing in the front kernel: the ring front (`moe_front_ring`); 'fring0', 'skeys' or 'foccN'
+    take the plain GEMV (skeys: routing keys in shared memory, FRONT_SKEYS_CTAS CTAs per SM) and are named in the
+    tags; above one token (or with a routing launch) they do not apply."""
     from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels.moe_front_ring import FRONT_RING, MoEFrontRingKey
     s = km.shapes_for_tp(8)
     key, tags = km.front_key_for(s, 1, False)
-    assert (key.m_tile, key.route, key.smem_keys, key.min_ctas, tags) == (1, True, True, km.FRONT_SKEYS_CTAS, [])
-    key, tags = km.front_key_for(s, 1, False, {"smem_keys": False})
-    assert (key.smem_keys, key.min_ctas, tags) == (False, 0, ["skeys0"])
+    assert key == MoEFrontRingKey(s) and tags == []
+    key, tags = km.front_key_for(s, 1, False, {"front_ring": False})
+    assert (key.m_tile, key.route, key.smem_keys, key.min_ctas, tags) == (1, True, False, 0, ["fring0"])
+    key, tags = km.front_key_for(s, 1, False, {"smem_keys": True})
+    assert (key.smem_keys, key.min_ctas, tags) == (True, km.FRONT_SKEYS_CTAS, ["skeys"])
     key, tags = km.front_key_for(s, 1, False, {"min_ctas": 12})
-    assert (key.smem_keys, key.min_ctas, tags) == (True, 12, ["focc12"])
-    key, tags = km.front_key_for(s, 1, True, {"smem_keys": False, "min_ctas": 10})
+    assert (key.smem_keys, key.min_ctas, tags) == (False, 12, ["focc12"])
+    key, tags = km.front_key_for(s, 1, True, {"smem_keys": True, "min_ctas": 10, "front_ring": False})
     assert (key.route, key.smem_keys, key.min_ctas, tags) == (False, False, 0, [])
     for m, mt in ((2, 2), (3, 4), (4, 4), (5, 8), (9, 8)):
-        key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": False, "min_ctas": 10})
+        key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": True, "min_ctas": 10, "front_ring": False})
         assert (key.m_tile, key.smem_keys, key.min_ctas, tags) == (mt, False, 0, []), m
     key, tags = km.front_key_for(s, 2, False, {"m_tile_fit": False, "candidates": False})
     assert (key.m_tile, key.candidates, tags) == (8, False, ["cand0", "mtfit0"])
-    for o in ({}, {"smem_keys": False}, {"min_ctas": 12}, {"candidates": False}, {"m_tile_fit": False}):
+    built = km.FRONT.aot_keys("sm_90a") + FRONT_RING.aot_keys("sm_90a")
+    for o in ({}, {"smem_keys": True}, {"front_ring": False}, {"candidates": False}, {"m_tile_fit": False},
+              {"candidates": False, "front_ring": False}):
         for m in range(1, 10):
-            assert km.front_key_for(s, m, m > 8, o)[0] in km.FRONT.aot_keys("sm_90a"), (o, m)
-    for m in range(1, 10):
-        assert km.front_key_for(km.shapes_for_tp(16), m, m > 8)[0] in km.FRONT.aot_keys("sm_90a"), m
-    assert km.split_front_options("skeys0-focc10") == (dict(smem_keys=False, min_ctas=10), None)
+            assert km.front_key_for(s, m, m > 8, o)[0] in built, (o, m)
+    for o in ({}, {"front_ring": False}):
+        for m in range(1, 10):
+            assert km.front_key_for(km.shapes_for_tp(16), m, m > 8, o)[0] in built, (o, m)
+    assert not [k for k in km.FRONT.aot_keys("sm_90a") if not isinstance(k, km.MoEFrontKey)]
+    assert km.split_front_options("skeys-fring0") == (dict(smem_keys=True, front_ring=False), None)
+
+
+def test_front_ring_key_checks_and_builds(compiler):
+    """The one-token ring front (`moe_front_ring`): the consumer warps' x in shared memory (no spills), the ring
+    within the SM's shared memory, the routing warps on their own named barrier, the router-row counter's atomic;
+    built ahead of time at TP8 and TP16 (and 'cand0' at TP8); bad shapes are refused before any build."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_front_ring as fr
+    for tp in (8, 16):
+        assert fr.MoEFrontRingKey(km.shapes_for_tp(tp)) in fr.FRONT_RING.aot_keys("sm_90a")
+    key = fr.MoEFrontRingKey(km.shapes_for_tp(8))
+    assert fr.front_ring_smem_bytes(key) <= fr.SMEM_MAX
+    use = kc.resource_usage(key)
+    assert use["LOCAL"] == 0 and use["STACK"] == 0, use
+    ptx = kc.ptx_text(key)
+    assert "cp.async.bulk.shared::cluster.global" in ptx and "mbarrier.try_wait" in ptx
+    assert "atom.global.acq_rel.add" in ptx, "the router-row counter"
+    assert re.search(rf"bar(?:rier)?\.sync(?:\.aligned)?\s+{fr.ROUTE_BARRIER},", ptx), "the routing warps' barrier"
+    with pytest.raises(ValueError, match="must divide"):
+        fr.MoEFrontRingKey(km.shapes_for_tp(8), rows_per_stage=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        fr.MoEFrontRingKey(km.shapes_for_tp(8), stages=4)
 
 
 def test_tail_ring_key_checks_and_builds(compiler):
@@ -772,30 +807,27 @@ def test_front_occupancy_option_parses_and_refuses_bad_counts():
 
 
 def test_front_occupancy_builds_cap_registers_and_are_built_ahead_of_time(compiler):
-    """With its routing keys in shared memory (the default at one token) the front kernel is built for
-    FRONT_SKEYS_CTAS (or 'foccN': N) CTAs of 128 threads per SM: the registers fall from 128 (the keys in
-    registers) to 48 at 10 CTAs (40 at 12), and at the default the GEMV path (before the router counter's atomic)
-    does not spill; the logit loads are issued before the sigmoids' first call."""
+    """'skeys' (the plain one-token front with its routing keys in shared memory) is built for FRONT_SKEYS_CTAS CTAs
+    of 128 threads per SM: the registers fall from 128 (the keys in registers) to 48, the GEMV path (before the
+    router counter's atomic) does not spill, and the logit loads are issued before the sigmoids' first call."""
     import re
 
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     s = km.shapes_for_tp(8)
-    assert kc.resource_usage(km.front_key_for(s, 1, False, {"smem_keys": False})[0])["REG"] > 65536 // (5 * 128)
-    for n in (km.FRONT_SKEYS_CTAS, *km.FRONT_OCC_AOT):
-        key = km.front_key_for(s, 1, False, {"min_ctas": n})[0]
-        assert key.smem_keys and key in km.FRONT.aot_keys("sm_90a")
-        assert f".minnctapersm {n}" in kc.ptx_text(key)
-        regs = kc.resource_usage(key)["REG"]
-        assert regs * 128 * n <= 65536, (n, regs)
-        sass = kc.sass_text(key)
-        ops = re.findall(r"\b(LDG\.E(?:\.\w+)*|CALL\.REL\S*|ATOM\S*|STL\S*|LDL\S*)", sass)
-        first_atom = next(i for i, op in enumerate(ops) if op.startswith("ATOM"))
-        if n == km.FRONT_SKEYS_CTAS:  # the default: at 12 (40 registers) ptxas spills in the GEMV path too
-            assert not [op for op in ops[:first_atom] if op[:3] in ("STL", "LDL")], "the GEMV path spills"
-        assert sum(op == "LDG.E.128" for op in ops[:first_atom]) >= 7  # the GEMV's row loads come first
-        first_call = next(i for i, op in enumerate(ops) if op.startswith("CALL"))
-        assert sum(op == "LDG.E" for op in ops[first_atom:first_call]) >= km.E // 32
+    assert kc.resource_usage(km.front_key_for(s, 1, False, {"front_ring": False})[0])["REG"] > 65536 // (5 * 128)
+    key = km.front_key_for(s, 1, False, {"smem_keys": True})[0]
+    n = km.FRONT_SKEYS_CTAS
+    assert key.smem_keys and key.min_ctas == n and key in km.FRONT.aot_keys("sm_90a")
+    assert f".minnctapersm {n}" in kc.ptx_text(key)
+    regs = kc.resource_usage(key)["REG"]
+    assert regs * 128 * n <= 65536, (n, regs)
+    ops = re.findall(r"\b(LDG\.E(?:\.\w+)*|CALL\.REL\S*|ATOM\S*|STL\S*|LDL\S*)", kc.sass_text(key))
+    first_atom = next(i for i, op in enumerate(ops) if op.startswith("ATOM"))
+    assert not [op for op in ops[:first_atom] if op[:3] in ("STL", "LDL")], "the GEMV path spills"
+    assert sum(op == "LDG.E.128" for op in ops[:first_atom]) >= 7  # the GEMV's row loads come first
+    first_call = next(i for i, op in enumerate(ops) if op.startswith("CALL"))
+    assert sum(op == "LDG.E" for op in ops[first_atom:first_call]) >= km.E // 32
 
 
 def test_moe_down_prologue_arms_one_mbarrier_per_round_trip(compiler):

@@ -77,10 +77,11 @@ class MoEShape:
 def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
-    (None if nothing is). focc N: the front kernel with routing built for N resident CTAs per SM (default with
-    skeys: FRONT_SKEYS_CTAS); skeys0 / skeys: its routing keys in registers / in shared memory (one token, m_tile 1;
-    the default since run 49, `route_tokens` SKEYS); tring0 / tring: the one-token tail as the plain GEMV / as the
-    persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cand0 / cand1:
+    (None if nothing is). fring0 / fring: the one-token front kernel as the plain GEMV / as the persistent
+    bulk-copy ring (`moe_front_ring`, the default); focc N: the plain one-token front built for N resident CTAs per
+    SM (with skeys: FRONT_SKEYS_CTAS by default); skeys0 / skeys: its routing keys in registers (the default) / in
+    shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
+    the persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cand0 / cand1:
     routing without / with the candidate selection (`route_tokens`, on by default); mtfit0 / mtfit: the front and
     tail GEMVs at m_tile 8 for 2-8 tokens (`M8_TILES`, the kernels before run 49) / at the smallest m_tile of
     `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49)."""
@@ -98,6 +99,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["smem_keys"] = m.group(1) != "0"
         elif m := re.fullmatch(r"tring([01]?)", tok):
             front["tail_ring"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"fring([01]?)", tok):
+            front["front_ring"] = m.group(1) != "0"
         elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
@@ -108,9 +111,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     return front, "-".join(rest) or None
 
 
-FRONT_OCC_AOT = (12,)  # the 'foccN' builds made ahead of time besides the default (TP8, m_tile 1, with skeys)
-# resident front CTAs per SM asked for with the keys in shared memory: 48 registers, no spills (at 12, 40 registers,
-# ptxas spills in the GEMV path too)
+# resident front CTAs per SM asked for with the keys in shared memory ('skeys'): 48 registers, no spills (at 12, 40
+# registers, ptxas spills in the GEMV path too)
 FRONT_SKEYS_CTAS = 10
 FRONT_MAX_CTAS = 16  # CTAs of 4 warps that fit the SM's 64 warps
 FRONT_SMEM_CARVEOUT = 50  # percent of the SM's 256 KB for shared memory with 'foccN': room for 16 front CTAs
@@ -282,7 +284,7 @@ def route_tokens():
     """`@cute.jit` routing of every token from the router logits (§6.3 eq. 1), by one CTA:
 
         route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys, WARPS, SCALING,
-                       CAND, SKEYS)
+                       CAND, SKEYS, T0, BAR)
 
     One warp per token. Each lane holds 28 keys s + bias (s = σ(logit)) as order-preserving integers.
     With CAND (the default since run 43): the 16th largest of the 32 lane maxima, m16, bounds the 16th
@@ -296,7 +298,8 @@ def route_tokens():
     expert-major tables, from per-expert token counts in shared memory (`cnt` [E] Int32, `wtot` [WARPS]
     Int32) and one CTA scan: mMeta[0] = number of active experts, mAct[j] the j-th active expert
     (ascending), mList[j] = (offset, count) of its tokens in mTok [TOPK · M] (the (expert, token) pairs,
-    grouped by expert). With SKEYS warp 0 routes every token, one after the other, with the keys in shared
+    grouped by expert). T0 and BAR (for routing warps inside a larger CTA): the routing threads are T0 ..
+    T0 + 32 · WARPS - 1, and they meet on named barrier BAR instead of the CTA barrier. With SKEYS warp 0 routes every token, one after the other, with the keys in shared
     memory (`kys`, [E] Int32) instead of 28 registers a lane, the logits and biases loaded in two groups: the
     front kernel can then be capped at the GEMV's registers without spilling the routing (its occupancy),
     at the price of shared-memory loads in the routing (and, above one token, of one warp routing them all).
@@ -327,6 +330,17 @@ def route_smem(smem, warps: int, smem_keys: bool = False):
     wtot = smem.allocate_tensor(Int32, cute.make_layout((warps,)), byte_alignment=16)
     kys = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16) if smem_keys else lst
     return cnt, lst, wtot, kys
+
+
+def _group_sync(bar: int, threads: int) -> None:
+    """(traced) The routing's barrier: the whole CTA (bar 0), or named barrier `bar` over its `threads` threads
+    when the routing warps are part of a larger CTA (`moe_front_ring`)."""
+    import cutlass.cute as cute
+
+    if bar:
+        cute.arch.barrier(barrier_id=bar, number_of_threads=threads)
+    else:
+        cute.arch.barrier()
 
 
 def _token_step(smem_keys: bool, warps: int) -> int:
@@ -389,17 +403,20 @@ def _make_route():
     def route(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
               mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, cnt: cute.Tensor,
               lst: cute.Tensor, wtot: cute.Tensor, kys: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr,
-              CAND: Constexpr = True, SKEYS: Constexpr = False):
+              CAND: Constexpr = True, SKEYS: Constexpr = False, T0: Constexpr = 0, BAR: Constexpr = 0):
         THREADS = 32 * WARPS
         CH = -(-E // THREADS)
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
+        if const_expr(T0):  # the routing warps are threads T0 .. T0 + THREADS - 1 of a larger CTA
+            tid = tid - T0
+            warp = warp - T0 // 32
         M = mIds.shape[0]
         lt = Int32(cute.arch.lanemask_lt())
         for e in cutlass.range(tid, E, THREADS):
             cnt[e] = Int32(0)
-        cute.arch.barrier()
+        _group_sync(BAR, THREADS)
         t0 = warp
         if const_expr(SKEYS):  # warp 0 routes every token, one after the other (the others start past the last)
             t0 = warp * M
@@ -531,7 +548,7 @@ def _make_route():
                 mWts[t, lane] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
                 cute.arch.atomic_add(cnt.iterator + mine, Int32(1))
-        cute.arch.barrier()
+        _group_sync(BAR, THREADS)
         # expert-major tables: one exclusive scan over the experts (in index order, so the active list is
         # deterministic) of (tokens << 16 | active), each thread owning a contiguous run of CH experts
         e0 = tid * CH
@@ -547,7 +564,7 @@ def _make_route():
                 inc = inc + o
         if lane == 31:
             wtot[warp] = inc
-        cute.arch.barrier()
+        _group_sync(BAR, THREADS)
         base = Int32(0)
         for w_ in cutlass.range_constexpr(WARPS):
             if w_ < warp:
@@ -565,7 +582,7 @@ def _make_route():
                 pre = pre + (c << 16) + Int32(c > 0)
         if tid == THREADS - 1:
             mMeta[0] = pre & Int32(0xFFFF)
-        cute.arch.barrier()
+        _group_sync(BAR, THREADS)
         for idx in cutlass.range(tid, M * TOPK, THREADS):  # token lists (order within an expert: arrival)
             t = idx // TOPK
             e = mIds[t, idx - t * TOPK]
@@ -1088,21 +1105,27 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
 
 
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
-                  arch: str = "sm_90a") -> tuple[MoEFrontKey, list[str]]:
-    """The front kernel for a step of m tokens with the routing options `options` (`split_front_options`), and
-    the tags of the options that changed it from the default (for the variant name). m_tile: the smallest of
-    M_TILES that holds the step ('mtfit0': of M8_TILES); with the routing in the front kernel at m_tile 1, the
-    routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM ('skeys0': in registers, no cap; 'foccN': N)."""
+                  arch: str = "sm_90a") -> tuple:
+    """The front kernel's key for a step of m tokens with the routing options `options` (`split_front_options`),
+    and the tags of the options that changed it from the default (for the variant name). One token with the
+    routing in the front kernel: the persistent ring GEMV (`moe_front_ring.MoEFrontRingKey`, since run 50);
+    'fring0', 'skeys' or 'foccN' take the plain GEMV (`MoEFrontKey`, m_tile 1), with its routing keys in shared
+    memory and FRONT_SKEYS_CTAS CTAs per SM ('skeys', run 49: slower) or N CTAs per SM ('foccN'). Otherwise the
+    plain GEMV at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES)."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
     cand = o.get("candidates", True)
-    one = mt == 1 and not separate_routing  # the routing front at one token: the occupancy options apply
-    sk = one and o.get("smem_keys", True)
+    one = mt == 1 and not separate_routing  # the routing front at one token: the ring and occupancy options apply
+    sk = one and o.get("smem_keys", False)
     occ_default = FRONT_SKEYS_CTAS if sk else 0
     occ = o.get("min_ctas", occ_default) if one else 0
-    tags = [tag for tag, on in (("cand0", not cand), ("skeys0", one and not sk), (f"focc{occ}", occ != occ_default),
-                                ("mtfit0", m8)) if on]
+    ring = one and o.get("front_ring", True) and "smem_keys" not in o and "min_ctas" not in o
+    tags = [tag for tag, on in (("cand0", not cand), ("fring0", one and not o.get("front_ring", True)),
+                                ("skeys", sk), (f"focc{occ}", occ != occ_default), ("mtfit0", m8)) if on]
+    if ring:
+        from .moe_front_ring import MoEFrontRingKey
+        return MoEFrontRingKey(shape, candidates=cand, arch=arch), tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, arch=arch)  # no routing: the default key
     return key, tags
@@ -1147,14 +1170,15 @@ def aot_keys_for(kind: str):
         out = []
         for tp in (8, 16):
             s = shapes_for_tp(tp)
-            if kind == "front":  # every m_tile, routing in the front kernel or not; at TP8 the options
-                opts = [{}] + ([{"candidates": False}, {"smem_keys": False}, {"m_tile_fit": False}]
-                               + [{"min_ctas": n} for n in FRONT_OCC_AOT] if tp == 8 else [])
+            if kind == "front":  # every m_tile, routing in the front kernel or not, the plain one-token front;
+                # at TP8 the options (the one-token ring front is moe_front_ring's)
+                opts = [{}, {"front_ring": False}] + ([{"candidates": False}, {"smem_keys": True}, {"m_tile_fit": False},
+                                                       {"candidates": False, "front_ring": False}] if tp == 8 else [])
                 for o in opts:
                     for m in (1, 2, 3, 8):
                         for sep in (False, True):
                             key = front_key_for(s, m, sep, o, arch)[0]
-                            if key not in out:
+                            if isinstance(key, MoEFrontKey) and key not in out:
                                 out.append(key)
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]

@@ -62,12 +62,46 @@ def tail_ring_smem_bytes(key: MoETailRingKey) -> int:
     return key.stages * key.stage_bytes + 16 * key.stages + 4 * key.max_items * key.rows_per_stage + 256
 
 
+_STREAM = None
+
+
+def stream_row_blocks():
+    """`@cute.jit` stream_row_blocks()(mW, ring, full, empty, bx, nitems, G, ST, SB): (one thread, inlined) the ring's
+    producer. Item n of CTA bx is the block of weight rows bx + n · G (SB contiguous bytes from mW's start: one
+    bulk copy into slot n mod ST, completing full[slot]); from the second round on it first waits until every
+    consumer warp has released the slot (empty[slot], one arrival per warp)."""
+    global _STREAM
+    if _STREAM is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Constexpr, Int64
+
+        from .ptx_ops import bulk_g2s
+
+        bulk = bulk_g2s()
+
+        @cute.jit
+        def stream(mW: cute.Tensor, ring: cute.Tensor, full: cute.Tensor, empty: cute.Tensor, bx, nitems,
+                   G: Constexpr, ST: Constexpr, SB: Constexpr):
+            w0 = mW.iterator.toint()
+            r0 = ring.iterator.toint()
+            for n in cutlass.range(nitems):
+                slot = n % ST
+                if n >= ST:  # the slot's previous block has been read by every consumer warp
+                    cute.arch.mbarrier_wait(empty.iterator + slot, (n // ST - 1) % 2)
+                cute.arch.mbarrier_arrive_and_expect_tx(full.iterator + slot, SB)
+                bulk(r0 + slot * SB, w0 + Int64(bx + n * G) * SB, SB, (full.iterator + slot).toint())
+
+        _STREAM = stream
+    return _STREAM
+
+
 def build_tail_ring(key: MoETailRingKey):
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
-    from .ptx_ops import bf16x2_to_f32, bulk_g2s
+    from .ptx_ops import bf16x2_to_f32
 
     sh = key.shape
     TP, EPS, PDL = sh.tp, sh.eps, key.pdl
@@ -80,7 +114,7 @@ def build_tail_ring(key: MoETailRingKey):
     assert WORDS % 128 == 0
     CONS = 32 * RS  # consumer threads
     THREADS = CONS + 32  # and one producer warp
-    bulk, unpack = bulk_g2s(), bf16x2_to_f32()
+    unpack = bf16x2_to_f32()
 
     @cute.kernel
     def tail_ring_kernel(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
@@ -104,14 +138,7 @@ def build_tail_ring(key: MoETailRingKey):
         cute.arch.barrier()
         if warp == RS:  # the producer: W_up does not depend on moe_down, so the ring fills before the wait
             if lane == 0:
-                w0 = mW.iterator.toint()
-                r0 = ring.iterator.toint()
-                for n in cutlass.range(nitems):
-                    slot = n % ST
-                    if n >= ST:  # the slot's previous block has been read by every consumer warp
-                        cute.arch.mbarrier_wait(empty.iterator + slot, (n // ST - 1) % 2)
-                    cute.arch.mbarrier_arrive_and_expect_tx(full.iterator + slot, SB)
-                    bulk(r0 + slot * SB, w0 + Int64(bx + n * G) * SB, SB, (full.iterator + slot).toint())
+                stream_row_blocks()(mW, ring, full, empty, bx, nitems, G, ST, SB)
         else:
             if const_expr(PDL):  # r, Σ r² and this rank's shared partial are moe_down's
                 cute.arch.griddepcontrol_wait()
@@ -181,4 +208,4 @@ TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key
                                       build=build_tail_ring, aot_keys=_aot_keys,
                                       ptx_checks=("cp.async.bulk", "mbarrier")))
 
-__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "TAIL_RING"]
+__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING"]

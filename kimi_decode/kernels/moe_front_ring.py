@@ -1,0 +1,187 @@
+"""The MoE front at one token as a persistent GEMV that streams its weights through a bulk-copy ring (`moe_front_ring`).
+
+Same result as `moe.build_front` at m_tile 1 with routing (`kimi_k3_layer.md` §6.3, launch 1 of the MoE half): one
+GEMV of x against [router ; latent down ; shared gate/up] (fp32 out), and the routing of the token from the router
+logits into the expert-major tables (`moe.route_tokens`).
+
+Why: the plain GEMV gives each weight row its own CTA, and at one token the front kernel streams its 86 MB at
+about 82% of the copy bandwidth (run 49: 24.9 µs against 20.2). The one-token tail streamed through a bulk-copy
+ring (`moe_tail_ring`) reached 94% (12.8 µs for 51.4 MB), so the front does the same: one CTA per SM owns every
+G-th block of `rows_per_stage` consecutive rows (one bulk copy each), a producer lane keeps `stages` slots in
+flight, and each consumer warp takes one row of a slot against x, staged once in shared memory as bf16 pairs.
+
+Routing: rows 0 .. E-1 are the router's. After storing a router row's logit, the consumer lane adds one to the
+step's router-row counter (`mMeta[1]`, acq_rel at gpu scope); the lane that completes the count wakes its CTA's
+four routing warps (an mbarrier), which route the token on their own named barrier while the other warps go on
+streaming; every other CTA wakes its routing warps at its end with nothing to do. The routing warps re-arm the
+counter for the next step.
+
+One token only: `FusedMoE` uses it for single-token steps with the routing in the front kernel.
+"""
+
+from dataclasses import dataclass
+
+from .. import compile as kc
+from .moe import D, E, MoEShape, _routing_fakes, route_smem, route_smem_bytes, route_tokens, shapes_for_tp
+from .moe_pipe import H200_SMS
+from .moe_tail_ring import SMEM_MAX, stream_row_blocks
+
+ROUTE_WARPS = 4  # the routing warps of every CTA (one token: warp 0 of them routes, all four build the tables)
+ROUTE_BARRIER = 2  # their named barrier (1: the consumer warps')
+
+
+@dataclass(frozen=True)
+class MoEFrontRingKey:
+    shape: MoEShape
+    rows_per_stage: int = 4  # weight rows per ring slot: one per consumer warp (one bulk copy of 4 · 14 KB)
+    stages: int = 3  # ring slots: 3 · 56 KB = 168 KB
+    ctas: int = H200_SMS  # persistent CTAs (one per SM)
+    candidates: bool = True  # routing by candidates (as moe.MoEFrontKey.candidates)
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.shape.ncat % self.rows_per_stage or E % self.rows_per_stage:
+            raise ValueError(f"rows_per_stage={self.rows_per_stage} must divide the router's {E} rows and the "
+                             f"front's {self.shape.ncat}")
+        if not 1 <= self.rows_per_stage <= 16:
+            raise ValueError("rows_per_stage is the consumer warp count: 1..16")
+        if front_ring_smem_bytes(self) > SMEM_MAX:
+            raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {front_ring_smem_bytes(self)} "
+                             f"B of shared memory, over {SMEM_MAX}")
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.rows_per_stage * D * 2
+
+
+def front_ring_smem_bytes(key: MoEFrontRingKey) -> int:
+    """The ring, two mbarriers per slot, the routing's wake-up mbarrier and flag, x, and the routing's tables."""
+    return key.stages * key.stage_bytes + 16 * key.stages + 64 + D * 2 + route_smem_bytes(ROUTE_WARPS) + 256
+
+
+def build_front_ring(key: MoEFrontRingKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from .ptx_ops import bf16x2_to_f32
+
+    sh = key.shape
+    N, SCALING = sh.ncat, sh.scaling
+    RS, ST, G = key.rows_per_stage, key.stages, key.ctas
+    NB = N // RS  # row blocks
+    NRB = E // RS  # the router's row blocks (the first ones)
+    SB = key.stage_bytes
+    WORDS = D // 2  # Int32 words (bf16 pairs) of a row
+    NCH = WORDS // 4 // 32  # 16-byte chunks a lane reads per row
+    assert WORDS % 128 == 0
+    CONS = 32 * RS  # consumer threads (warps 0 .. RS-1), then the producer warp, then the routing warps
+    RT0 = CONS + 32
+    THREADS = RT0 + 32 * ROUTE_WARPS
+    unpack = bf16x2_to_f32()
+
+    @cute.kernel
+    def front_ring_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
+                          mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
+                          mList: cute.Tensor, mTok: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        ring = smem.allocate_tensor(Int32, cute.make_layout((ST, RS, WORDS), stride=(RS * WORDS, WORDS, 1)),
+                                    byte_alignment=128)
+        full = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        empty = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        rbar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+        xs = smem.allocate_tensor(Int32, cute.make_layout((WORDS,)), byte_alignment=16)
+        cnt, lst, wtot, kys = route_smem(smem, ROUTE_WARPS)
+        cute.arch.griddepcontrol_launch_dependents()  # moe_up may be scheduled into the SMs this launch frees
+        nitems = (NB - bx + G - 1) // G  # row blocks bx, bx + G, ...
+        if tid == 0:
+            for s in cutlass.range_constexpr(ST):
+                cute.arch.mbarrier_init(full.iterator + s, 1)
+                cute.arch.mbarrier_init(empty.iterator + s, RS)
+            cute.arch.mbarrier_init(rbar.iterator, 1)
+            cute.arch.mbarrier_init_fence()
+            flag[0] = Int32(0)
+        cute.arch.barrier()
+        if warp == RS:  # the producer
+            if lane == 0:
+                stream_row_blocks()(mW, ring, full, empty, bx, nitems, G, ST, SB)
+        elif warp < RS:  # the consumers: one row of each slot per warp
+            # x (bf16 pairs) into shared memory once: in registers it would take 112 a lane, and spill
+            xw = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32), cute.make_layout((WORDS,)))
+            gX = cute.zipped_divide(xw, (4,))
+            sX = cute.zipped_divide(xs, (4,))
+            for c in cutlass.range(tid, WORDS // 4, CONS):
+                sX[(None, c)].store(gX[(None, c)].load())
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONS)
+            gR = cute.zipped_divide(ring, (1, 1, 4))
+            for n in cutlass.range(nitems):
+                slot = n % ST
+                cute.arch.mbarrier_wait(full.iterator + slot, (n // ST) % 2)
+                acc = [Float32(0.0), Float32(0.0)]  # two chains
+                for i in cutlass.range_constexpr(NCH):
+                    v = gR[(None, (slot, warp, lane + 32 * i))].load()
+                    xv = sX[(None, lane + 32 * i)].load()
+                    for q in cutlass.range_constexpr(4):
+                        wlo, whi = unpack(v[q])
+                        xlo, xhi = unpack(xv[q])
+                        acc[q % 2] = acc[q % 2] + wlo * xlo
+                        acc[q % 2] = acc[q % 2] + whi * xhi
+                tot = cute.arch.warp_reduction_sum(acc[0] + acc[1])
+                cute.arch.sync_warp()  # every lane has read the slot
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(empty.iterator + slot)
+                    blk = bx + n * G
+                    mO[0, blk * RS + warp] = tot
+                    if blk < NRB:  # a router row: count it; the row that completes the count wakes the routing
+                        cute.arch.fence_acq_rel_gpu()
+                        old = cute.arch.atomic_add(mMeta.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+                        if old == E - 1:
+                            flag[0] = Int32(1)
+                            cute.arch.mbarrier_arrive(rbar.iterator)
+            cute.arch.barrier(barrier_id=1, number_of_threads=CONS)
+            if tid == 0:
+                if flag[0] == 0:  # not the routing CTA: let its routing warps go
+                    cute.arch.mbarrier_arrive(rbar.iterator)
+        else:  # the routing warps
+            cute.arch.mbarrier_wait(rbar.iterator, 0)
+            if flag[0] != 0:  # every logit of the step is written
+                cute.arch.fence_acq_rel_gpu()
+                route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys,
+                               ROUTE_WARPS, SCALING, key.candidates, False, RT0, ROUTE_BARRIER)
+                if tid == RT0:
+                    mMeta[1] = Int32(0)  # re-arm the counter for the next step
+
+    @cute.jit
+    def front_ring_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
+                        mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor, mAct: cute.Tensor,
+                        mList: cute.Tensor, mTok: cute.Tensor, stream):
+        front_ring_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=front_ring_smem_bytes(key), stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor
+    m = cute.sym_int()
+    from cutlass import BFloat16
+    args = (
+        fake(BFloat16, (N, D), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (m, D), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16),
+        *_routing_fakes(m),
+    )
+    return front_ring_host, args
+
+
+def _aot_keys(arch: str):  # 'cand0' at TP8
+    return ([MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
+            + [MoEFrontRingKey(shapes_for_tp(8), candidates=False, arch=arch)])
+
+
+FRONT_RING = kc.register(kc.KernelSpec(name="moe_front_ring", module=__name__, key_type=MoEFrontRingKey,
+                                       build=build_front_ring, aot_keys=_aot_keys,
+                                       ptx_checks=("cp.async.bulk", "mbarrier", "atom")))
+
+__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "FRONT_RING"]
