@@ -24,6 +24,8 @@ MOE_KINDS = ("kda_moe", "mla_moe")
 EXPERT_KERNELS = ("pipe", "direct", "pipe-up")
 ROUTE_IN_FRONT_MAX = 8  # tokens routed by the front kernel's last router CTA (4 warps); more: a fifth launch
 PDL_MAX_TOKENS = 1  # programmatic dependent launch up to this many tokens per step (FusedMoE's pdl=None)
+# the one-token front as the persistent bulk-copy ring (`kernels/moe_front_ring.py`; 'fring0' / 'fring' choose)
+FRONT_RING_ONE_TOKEN = True
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -153,7 +155,12 @@ class FusedMoE:
                                                             arch=arch, trace=trace)
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
         # the front kernel and, in the variant name, the routing kernels' options where they changed it
+        route_kw.setdefault("front_ring", FRONT_RING_ONE_TOKEN)
         front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch)
+        tags = [t for t in tags if t != "fring0"]
+        ring_front = not isinstance(front_key, km.MoEFrontKey)
+        if N == 1 and not separate_routing and ring_front != FRONT_RING_ONE_TOKEN:
+            tags.insert(0, "fring" if ring_front else "fring0")
         mt = getattr(front_key, "m_tile", 1)  # the one-token ring front has no m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
