@@ -24,8 +24,6 @@ MOE_KINDS = ("kda_moe", "mla_moe")
 EXPERT_KERNELS = ("pipe", "direct", "pipe-up")
 ROUTE_IN_FRONT_MAX = 8  # tokens routed by the front kernel's last router CTA (4 warps); more: a fifth launch
 PDL_MAX_TOKENS = 1  # programmatic dependent launch up to this many tokens per step (FusedMoE's pdl=None)
-# the one-token front as the persistent bulk-copy ring (`kernels/moe_front_ring.py`; 'fring0' / 'fring' choose)
-FRONT_RING_ONE_TOKEN = True
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -115,9 +113,9 @@ class FusedMoE:
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
-        shows it only there; at one token the front and the tail are persistent GEMVs streaming their weights
-        through bulk-copy rings (`kernels/moe_front_ring.py`, `kernels/moe_tail_ring.py`; 'fring0' and 'tring0' take
-        the plain GEMVs instead); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
+        shows it only there; at one token the tail is a persistent GEMV streaming W_up through a bulk-copy ring
+        (`kernels/moe_tail_ring.py`, since run 49; 'tring0' takes the plain GEMV), and 'fring' makes the front one
+        too (`kernels/moe_front_ring.py`; runs 50-51: slower); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
         1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
@@ -155,12 +153,7 @@ class FusedMoE:
                                                             arch=arch, trace=trace)
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
         # the front kernel and, in the variant name, the routing kernels' options where they changed it
-        route_kw.setdefault("front_ring", FRONT_RING_ONE_TOKEN)
         front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch)
-        tags = [t for t in tags if t != "fring0"]
-        ring_front = not isinstance(front_key, km.MoEFrontKey)
-        if N == 1 and not separate_routing and ring_front != FRONT_RING_ONE_TOKEN:
-            tags.insert(0, "fring" if ring_front else "fring0")
         mt = getattr(front_key, "m_tile", 1)  # the one-token ring front has no m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)

@@ -181,13 +181,13 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     from kimi_decode.moe_bench import moe_input
     x = moe_input(tokens, D, seed=40 + tokens, device="cuda")
     a, b = FusedMoE(w8, x, separate_routing=False), FusedMoE(w8, x, separate_routing=True)
-    c = FusedMoE(w8, x, separate_routing=False, variant="fring0")  # at one token: the plain front's logits
+    c = FusedMoE(w8, x, separate_routing=False, variant="fring")  # at one token: the ring front
     a(), b(), c()
     torch.cuda.synchronize()
-    assert torch.equal(a.ids, b.ids) and torch.equal(c.ids, b.ids) and torch.equal(c.wts, b.wts)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts) and torch.equal(c.ids, b.ids)
     _same_up_to_summation_order(a.h, b.h)
-    # the ring front (one token) sums its logits in another order: the same choice, weights within rounding
-    torch.testing.assert_close(a.wts, b.wts, rtol=1e-5, atol=0)
+    # the ring front sums its logits in another order: the same choice, weights within rounding
+    torch.testing.assert_close(c.wts, b.wts, rtol=1e-5, atol=0)
 
 
 def _same_up_to_summation_order(h, g):
@@ -492,11 +492,10 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["skeys", "fring0"])
+@pytest.mark.parametrize("variant", ["skeys", "fring"])
 def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
-    """'skeys' (the plain front with its routing keys in shared memory, 48 registers) and 'fring0' (the plain front,
-    keys in registers, 128 registers) give the reference at one token and, where they do not apply (m_tile 2 and
-    8), leave the step as it is."""
+    """'skeys' (the plain front with its routing keys in shared memory, 48 registers) and 'fring' (the ring front)
+    give the reference at one token and, where they do not apply (m_tile 2 and 8), leave the step as it is."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(n, D, seed=140 + n, device="cuda")
     ex = FusedMoE(w8, x, variant=variant)
@@ -528,14 +527,14 @@ def test_tail_ring_equals_the_plain_tail(tp, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_routing_keys_in_shared_memory_equal_keys_in_registers(w8, seed):
-    """At one token the ring front (the default), the plain front ('fring0') and the plain front with its keys in
+    """At one token the ring front ('fring'), the plain front (the default) and the plain front with its keys in
     shared memory ('skeys') route alike: the same experts in the same order; the two plain fronts with
     bit-identical weights, the ring (its logits summed in another order) within rounding."""
     from kimi_decode.moe_bench import moe_input
     x = moe_input(1, D, seed=170 + seed, device="cuda")
-    a, b, c = FusedMoE(w8, x), FusedMoE(w8, x, variant="fring0"), FusedMoE(w8, x, variant="skeys")
-    assert a.kernels_used.startswith("moe_front_ring+") and b.variant.startswith("fring0+")
-    assert c.variant.startswith("skeys+")
+    a, b, c = FusedMoE(w8, x, variant="fring"), FusedMoE(w8, x), FusedMoE(w8, x, variant="skeys")
+    assert a.kernels_used.startswith("moe_front_ring+") and a.variant.startswith("fring+")
+    assert b.kernels_used.startswith("moe_front+") and c.variant.startswith("skeys+")
     a(), b(), c()
     torch.cuda.synchronize()
     assert torch.equal(b.ids, c.ids) and torch.equal(b.wts, c.wts)  # the same logits: bit-identical weights
@@ -704,53 +703,52 @@ def test_fitted_m_tile_option_parses_and_is_built_ahead_of_time():
         s = km.shapes_for_tp(tp)
         for mt in km.M_TILES:
             for sep in (False, True):
-                key = km.front_key_for(s, mt, sep, {"front_ring": False})[0]
+                key = km.front_key_for(s, mt, sep)[0]
                 assert key.m_tile == mt and key in km.FRONT.aot_keys("sm_90a"), (tp, mt, sep)
             for p in (True, False):
                 assert km.MoETailKey(s, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a"), (tp, mt, p)
     for mt in km.M_TILES:  # 'cand0' at TP8
-        key = km.front_key_for(km.shapes_for_tp(8), mt, False, {"candidates": False, "front_ring": False})[0]
+        key = km.front_key_for(km.shapes_for_tp(8), mt, False, {"candidates": False})[0]
         assert key in km.FRONT.aot_keys("sm_90a")
 
 
 def test_front_key_for_picks_tiles_keys_and_occupancy():
-    """One token with routing in the front kernel: the ring front (`moe_front_ring`); 'fring0', 'skeys' or 'foccN'
-    take the plain GEMV (skeys: routing keys in shared memory, FRONT_SKEYS_CTAS CTAs per SM) and are named in the
-    tags; above one token (or with a routing launch) they do not apply."""
+    """One token with routing in the front kernel: the plain GEMV; 'fring' takes the ring front (`moe_front_ring`),
+    'skeys' the routing keys in shared memory (FRONT_SKEYS_CTAS CTAs per SM), 'foccN' N CTAs per SM, and they are
+    named in the tags; above one token (or with a routing launch) they do not apply."""
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels.moe_front_ring import FRONT_RING, MoEFrontRingKey
     s = km.shapes_for_tp(8)
+    key, tags = km.front_key_for(s, 1, False, {"front_ring": True})
+    assert key == MoEFrontRingKey(s) and tags == ["fring"]
     key, tags = km.front_key_for(s, 1, False)
-    assert key == MoEFrontRingKey(s) and tags == []
-    key, tags = km.front_key_for(s, 1, False, {"front_ring": False})
-    assert (key.m_tile, key.route, key.smem_keys, key.min_ctas, tags) == (1, True, False, 0, ["fring0"])
+    assert (key.m_tile, key.route, key.smem_keys, key.min_ctas, tags) == (1, True, False, 0, [])
     key, tags = km.front_key_for(s, 1, False, {"smem_keys": True})
     assert (key.smem_keys, key.min_ctas, tags) == (True, km.FRONT_SKEYS_CTAS, ["skeys"])
     key, tags = km.front_key_for(s, 1, False, {"min_ctas": 12})
     assert (key.smem_keys, key.min_ctas, tags) == (False, 12, ["focc12"])
-    key, tags = km.front_key_for(s, 1, True, {"smem_keys": True, "min_ctas": 10, "front_ring": False})
+    key, tags = km.front_key_for(s, 1, True, {"smem_keys": True, "min_ctas": 10, "front_ring": True})
     assert (key.route, key.smem_keys, key.min_ctas, tags) == (False, False, 0, [])
     for m, mt in ((2, 2), (3, 4), (4, 4), (5, 8), (9, 8)):
-        key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": True, "min_ctas": 10, "front_ring": False})
+        key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": True, "min_ctas": 10, "front_ring": True})
         assert (key.m_tile, key.smem_keys, key.min_ctas, tags) == (mt, False, 0, []), m
     key, tags = km.front_key_for(s, 2, False, {"m_tile_fit": False, "candidates": False})
     assert (key.m_tile, key.candidates, tags) == (8, False, ["cand0", "mtfit0"])
     built = km.FRONT.aot_keys("sm_90a") + FRONT_RING.aot_keys("sm_90a")
-    for o in ({}, {"smem_keys": True}, {"front_ring": False}, {"candidates": False}, {"m_tile_fit": False},
-              {"candidates": False, "front_ring": False}):
+    for o in ({}, {"smem_keys": True}, {"front_ring": True}, {"candidates": False}, {"m_tile_fit": False}):
         for m in range(1, 10):
             assert km.front_key_for(s, m, m > 8, o)[0] in built, (o, m)
-    for o in ({}, {"front_ring": False}):
+    for o in ({}, {"front_ring": True}):
         for m in range(1, 10):
             assert km.front_key_for(km.shapes_for_tp(16), m, m > 8, o)[0] in built, (o, m)
     assert not [k for k in km.FRONT.aot_keys("sm_90a") if not isinstance(k, km.MoEFrontKey)]
-    assert km.split_front_options("skeys-fring0") == (dict(smem_keys=True, front_ring=False), None)
+    assert km.split_front_options("skeys-fring") == (dict(smem_keys=True, front_ring=True), None)
 
 
 def test_front_ring_key_checks_and_builds(compiler):
     """The one-token ring front (`moe_front_ring`): the consumer warps' x in shared memory (no spills), the ring
     within the SM's shared memory, the routing warps on their own named barrier, the router-row counter's atomic;
-    built ahead of time at TP8 and TP16 (and 'cand0' at TP8); bad shapes are refused before any build."""
+    built ahead of time at TP8 and TP16; bad shapes are refused before any build."""
     import re
 
     from kimi_decode import compile as kc
@@ -821,7 +819,7 @@ def test_front_occupancy_builds_cap_registers_and_are_built_ahead_of_time(compil
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     s = km.shapes_for_tp(8)
-    assert kc.resource_usage(km.front_key_for(s, 1, False, {"front_ring": False})[0])["REG"] > 65536 // (5 * 128)
+    assert kc.resource_usage(km.front_key_for(s, 1, False)[0])["REG"] > 65536 // (5 * 128)
     key = km.front_key_for(s, 1, False, {"smem_keys": True})[0]
     n = km.FRONT_SKEYS_CTAS
     assert key.smem_keys and key.min_ctas == n and key in km.FRONT.aot_keys("sm_90a")

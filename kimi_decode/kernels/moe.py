@@ -77,8 +77,8 @@ class MoEShape:
 def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
-    (None if nothing is). fring0 / fring: the one-token front kernel as the plain GEMV / as the persistent
-    bulk-copy ring (`moe_front_ring`, the default); focc N: the plain one-token front built for N resident CTAs per
+    (None if nothing is). fring0 / fring: the one-token front kernel as the plain GEMV (the default) / as the
+    persistent bulk-copy ring (`moe_front_ring`; runs 50-51: slower); focc N: the plain one-token front built for N resident CTAs per
     SM (with skeys: FRONT_SKEYS_CTAS by default); skeys0 / skeys: its routing keys in registers (the default) / in
     shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
     the persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cand0 / cand1:
@@ -1107,11 +1107,11 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
                   arch: str = "sm_90a") -> tuple:
     """The front kernel's key for a step of m tokens with the routing options `options` (`split_front_options`),
-    and the tags of the options that changed it from the default (for the variant name). One token with the
-    routing in the front kernel: the persistent ring GEMV (`moe_front_ring.MoEFrontRingKey`, since run 50);
-    'fring0', 'skeys' or 'foccN' take the plain GEMV (`MoEFrontKey`, m_tile 1), with its routing keys in shared
-    memory and FRONT_SKEYS_CTAS CTAs per SM ('skeys', run 49: slower) or N CTAs per SM ('foccN'). Otherwise the
-    plain GEMV at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES)."""
+    and the tags of the options that changed it from the default (for the variant name): the plain GEMV
+    (`MoEFrontKey`) at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES). One token with
+    the routing in the front kernel, options: 'fring', the persistent ring GEMV (`moe_front_ring.MoEFrontRingKey`;
+    runs 50-51: slower); 'skeys', the routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM (run 49:
+    slower); 'foccN', N CTAs per SM."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
@@ -1120,9 +1120,9 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     sk = one and o.get("smem_keys", False)
     occ_default = FRONT_SKEYS_CTAS if sk else 0
     occ = o.get("min_ctas", occ_default) if one else 0
-    ring = one and o.get("front_ring", True) and "smem_keys" not in o and "min_ctas" not in o
-    tags = [tag for tag, on in (("cand0", not cand), ("fring0", one and not o.get("front_ring", True)),
-                                ("skeys", sk), (f"focc{occ}", occ != occ_default), ("mtfit0", m8)) if on]
+    ring = one and o.get("front_ring", False) and "smem_keys" not in o and "min_ctas" not in o
+    tags = [tag for tag, on in (("cand0", not cand), ("fring", ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
+                                ("mtfit0", m8)) if on]
     if ring:
         from .moe_front_ring import MoEFrontRingKey
         return MoEFrontRingKey(shape, candidates=cand, arch=arch), tags
@@ -1170,10 +1170,9 @@ def aot_keys_for(kind: str):
         out = []
         for tp in (8, 16):
             s = shapes_for_tp(tp)
-            if kind == "front":  # every m_tile, routing in the front kernel or not, the plain one-token front;
-                # at TP8 the options (the one-token ring front is moe_front_ring's)
-                opts = [{}, {"front_ring": False}] + ([{"candidates": False}, {"smem_keys": True}, {"m_tile_fit": False},
-                                                       {"candidates": False, "front_ring": False}] if tp == 8 else [])
+            if kind == "front":  # every m_tile, routing in the front kernel or not; at TP8 the options (the
+                # one-token ring front, 'fring', is moe_front_ring's)
+                opts = [{}] + ([{"candidates": False}, {"smem_keys": True}, {"m_tile_fit": False}] if tp == 8 else [])
                 for o in opts:
                     for m in (1, 2, 3, 8):
                         for sep in (False, True):

@@ -11,12 +11,14 @@ G-th block of `rows_per_stage` consecutive rows (one bulk copy each), a producer
 flight, and each consumer warp takes one row of a slot against x, staged once in shared memory as bf16 pairs.
 
 Routing: rows 0 .. E-1 are the router's. After storing a router row's logit, the consumer lane arrives on an
-mbarrier of its CTA (no fence on the streaming path: run 50 fenced and counted per row there, and the front took
-28.5 µs); the CTA's four routing warps wait for its router rows, fence, and add their number to the step's
+mbarrier of its CTA (no fence on the streaming path; run 50 fenced and counted per row there, which did not
+explain its slowness: run 51 without it was no faster); the CTA's four routing warps wait for its router rows, fence, and add their number to the step's
 router-row counter (`mMeta[1]`, acq_rel at gpu scope); the CTA that completes the count routes the token on the
 routing warps' named barrier while its other warps go on streaming, and re-arms the counter for the next step.
 
-One token only: `FusedMoE` uses it for single-token steps with the routing in the front kernel.
+One token only: `FusedMoE(variant='fring')` uses it for single-token steps with the routing in the front kernel.
+Measured slower than the plain front (runs 50 and 51: 28.5 and 30.2 µs in the batch-1 graph against 25.0 and
+25.5, the step 67.0 and 70.1 µs against 60.1 and 60.6), so it is an option, not the default (docs/fused_moe.md).
 """
 
 from dataclasses import dataclass
@@ -173,9 +175,8 @@ def build_front_ring(key: MoEFrontRingKey):
     return front_ring_host, args
 
 
-def _aot_keys(arch: str):  # 'cand0' at TP8
-    return ([MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
-            + [MoEFrontRingKey(shapes_for_tp(8), candidates=False, arch=arch)])
+def _aot_keys(arch: str):
+    return [MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
 
 
 FRONT_RING = kc.register(kc.KernelSpec(name="moe_front_ring", module=__name__, key_type=MoEFrontRingKey,
