@@ -41,6 +41,24 @@ def init(rank: int, world_size: int, init_method: str, backend: str | None = Non
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
+def dcp_groups(dcp: int, group=None):
+    """This rank's DCP process group: consecutive blocks of `dcp` ranks of the TP group (TP ranks
+    k·dcp .. k·dcp + dcp − 1 shard the latent cache of the heads they gather; DCP rank = TP rank % dcp).
+    Every rank must call this (it creates every block's group); None for dcp 1."""
+    if dcp == 1:
+        return None
+    world = dist.get_world_size(group)
+    if world % dcp:
+        raise ValueError(f"DCP{dcp} does not divide the {world} TP ranks")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    mine = None
+    for k in range(world // dcp):
+        g = dist.new_group(ranks[k * dcp:(k + 1) * dcp])
+        if dist.get_rank() in ranks[k * dcp:(k + 1) * dcp]:
+            mine = g
+    return mine
+
+
 def tp_allreduce(t: torch.Tensor, group=None) -> torch.Tensor:
     """The TP all-reduce of a rank's partial output (sum, in place)."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)

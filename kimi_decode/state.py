@@ -54,16 +54,25 @@ class MLAKVCache:
     block_table: torch.Tensor  # [batch, max_blocks] int64
     context_lens: torch.Tensor  # [batch] int64 cached tokens before this step
     block_size: int = MLA_BLOCK_SIZE
+    # decode context parallelism: this cache holds only the positions τ ≡ dcp_rank (mod dcp) of each
+    # sequence, τ at local row τ // dcp (`dcp.shard_cache`); context_lens stay global positions
+    dcp: int = 1
+    dcp_rank: int = 0
 
     def clone(self) -> "MLAKVCache":
         return dataclasses.replace(self, kv=self.kv.clone())
 
     def slot_mapping(self, tokens_per_seq: int) -> torch.Tensor:
-        """Flat cache row index [batch * tokens_per_seq] for each new token of the step."""
+        """Flat cache row index [batch * tokens_per_seq] for each new token of the step
+        (−1 for a token whose position another DCP rank holds: the cache insert skips it)."""
         B = self.block_table.shape[0]
         pos = self.context_lens[:, None] + torch.arange(tokens_per_seq, device=self.kv.device)
-        blk = torch.gather(self.block_table, 1, pos // self.block_size)
-        return (blk * self.block_size + pos % self.block_size).reshape(B * tokens_per_seq)
+        local = pos // self.dcp
+        blk = torch.gather(self.block_table, 1, local // self.block_size)
+        slot = blk * self.block_size + local % self.block_size
+        if self.dcp > 1:
+            slot = torch.where(pos % self.dcp == self.dcp_rank, slot, torch.full_like(slot, -1))
+        return slot.reshape(B * tokens_per_seq)
 
     def gather(self, seq: int, length: int) -> torch.Tensor:
         """The first `length` cache rows of sequence `seq`, [length, 576], in position order."""

@@ -81,46 +81,58 @@ def test_multicast_stays_off():
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["PATH"] == "/bin"
 
 
-def _stock_worker(rank, world, init_method, result_dir, kind):
+def _stock_worker(rank, world, init_method, result_dir, kind, dcp=1, shape=(2, 1, (3, 50))):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kimi_decode.distributed import dcp_groups
     from kimi_decode.state import make_decode_state
     from kimi_decode.stock.schedule import StockLayer
     init(rank, world, init_method, backend="gloo")
     cfg = KimiK3Config.tiny()
-    sh = ShardSpec(tp=world, rank=rank, cfg=cfg)
-    shape = DecodeShape(2, 1, (3, 50))
+    sh = ShardSpec(tp=world, rank=rank, dcp=dcp, cfg=cfg)
+    shape = DecodeShape(*shape)
     layer = StockLayer(make_layer_weights(kind, sh, seed=6), make_decode_state(kind, sh, shape, seed=6),
-                       group=dist.group.WORLD, kda_fused=True)
+                       group=dist.group.WORLD, kda_fused=True, dcp_group=dcp_groups(dcp))
     layer()
     routing = getattr(layer, "routing", None)
-    torch.save((layer.h.clone(), routing[0].clone() if routing else None, len(layer.launches())),
+    torch.save((layer.h.clone(), routing[0].clone() if routing else None, [l.label for l in layer.launches()]),
                os.path.join(result_dir, f"stock{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "kda_moe", "mla_moe"])
-def test_stock_schedule_with_real_allreduce_equals_the_tp_layer(tmp_path, kind):
+@pytest.mark.parametrize("kind,world,dcp,shape", [
+    ("dense", 2, 1, (2, 1, (3, 50))),
+    ("kda_moe", 2, 1, (2, 1, (3, 50))),
+    ("mla_moe", 2, 1, (2, 1, (3, 50))),
+    # decode context parallelism: the latent cache sharded by position, the queries all-gathered and the
+    # partials exchanged over the DCP group (gloo), merged by log-sum-exp
+    ("mla_moe", 2, 2, (2, 2, (3, 50))),
+    ("mla_moe", 4, 2, (2, 1, (0, 70))),  # two DCP groups of two TP ranks each
+])
+def test_stock_schedule_with_real_collectives_equals_the_tp_layer(tmp_path, kind, world, dcp, shape):
     from kimi_decode.accuracy import routing_agreement, within_bf16_rule
     from kimi_decode.reference import Storage, decoder_layer
     from kimi_decode.state import make_decode_state
-    world = 2
-    mp.spawn(_stock_worker, args=(world, f"file://{tmp_path / 'rdv'}", str(tmp_path), kind), nprocs=world, join=True)
+    mp.spawn(_stock_worker, args=(world, f"file://{tmp_path / 'rdv'}", str(tmp_path), kind, dcp, shape),
+             nprocs=world, join=True)
     cfg = KimiK3Config.tiny()
-    shape = DecodeShape(2, 1, (3, 50))
-    specs = ShardSpec(tp=world, cfg=cfg).all_ranks()
+    shape = DecodeShape(*shape)
+    specs = ShardSpec(tp=world, dcp=dcp, cfg=cfg).all_ranks()
     ws = [make_layer_weights(kind, s, seed=6) for s in specs]
     sts = [make_decode_state(kind, s, shape, seed=6) for s in specs]
     ref = decoder_layer(ws, [s.clone() for s in sts])
     ref_bf = decoder_layer(ws, [s.clone() for s in sts], storage=Storage.BF16)
-    h0, ids0, n_launch = torch.load(tmp_path / "stock0.pt")
+    h0, ids0, labels = torch.load(tmp_path / "stock0.pt")
     keep = torch.ones(shape.num_tokens, dtype=torch.bool)
     if ids0 is not None:
         keep, flips, ties = routing_agreement(ids0, ref.x_mlp, ws[0].moe, cfg)
         assert ties
     ok, err, bound = within_bf16_rule(h0[keep].float(), ref.h[keep], ref_bf.h[keep])
     assert ok, (err, bound)
-    assert torch.equal(torch.load(tmp_path / "stock1.pt")[0], h0)  # every rank holds the reduced output
+    for r in range(1, world):  # every rank holds the reduced output
+        assert torch.equal(torch.load(tmp_path / f"stock{r}.pt")[0], h0)
+    dcp_steps = ["mla.dcp_q_allgather", "mla.dcp_exchange", "mla.dcp_merge"]
+    assert [l for l in labels if l.startswith("mla.dcp")] == (dcp_steps if dcp > 1 else [])
 
 
 def test_multi_gpu_launcher_says_what_is_missing_without_gpus(capsys):
@@ -129,3 +141,4 @@ def test_multi_gpu_launcher_says_what_is_missing_without_gpus(capsys):
         pytest.skip("this checks the message on a machine without GPUs")
     assert main(["--out", "unused.csv"]) == 3
     assert "needs CUDA GPUs" in capsys.readouterr().out
+

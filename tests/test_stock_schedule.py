@@ -44,8 +44,8 @@ def test_inventory_cli(capsys):
     assert main(["inventory", "--layer", "kda_moe", "--tp", "4"]) == 2
 
 
-def _check(cfg, kind, shape, kda_fused=None, tp=2):
-    sh = ShardSpec(tp=tp, cfg=cfg)
+def _check(cfg, kind, shape, kda_fused=None, tp=2, dcp=1, rank=0):
+    sh = ShardSpec(tp=tp, rank=rank, dcp=dcp, cfg=cfg)
     w = make_layer_weights(kind, sh, seed=2).to(DEV)
     st = make_decode_state(kind, sh, shape, seed=2, device=DEV)
     ref = decoder_layer(w, st.clone())

@@ -76,7 +76,7 @@ def mla_decode(x: torch.Tensor, w: MLAWeights, cache: MLAKVCache, tokens_per_seq
     ctxs = [int(c) for c in cache.context_lens]
     if dcp > 1:
         from ..dcp import mla_attention_dcp
-        o_lat = mla_attention_dcp(mqa_q, [new.gather(b, ctxs[b] + T) for b in range(B)], ctxs, T, dcp, cfg)
+        o_lat = mla_attention_dcp(mqa_q, [new.gather(b, ctxs[b] + T) for b in range(B)], ctxs, T, dcp, cfg, storage)
     else:
         o_lat = torch.empty(N, w.heads, kl, dtype=torch.float32, device=x.device)
         for b in range(B):

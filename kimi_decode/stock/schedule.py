@@ -59,15 +59,31 @@ class StockLayer:
     """One decode step of one layer on one rank, as stock vLLM launches it."""
 
     def __init__(self, weights: LayerWeights, state: DecodeState, seed: int = 0, build_ops: bool = True,
-                 kda_fused: bool | None = None, group=None):
+                 kda_fused: bool | None = None, group=None, dcp_group=None):
         """kda_fused: None follows vLLM (the fused KDA op only for 12, 24, 48 or 96 local heads).
 
         group: a `torch.distributed` process group of the TP ranks. With it every all-reduce is a real
         collective (`dist.all_reduce` in place on the partial; the MoE latent all-reduce is then
         followed by a separate RMSNorm launch); without it they are emulated on one GPU.
+
+        dcp_group: with `weights.shard.dcp` > 1 on an MLA layer and a `group`, the process group of this
+        rank's DCP ranks (size dcp, this rank at `shard.rank % dcp`): the query all-gather and the
+        partials' exchange are real collectives. Without `group` they are emulated (module docstring).
         """
         self.kda_fused = kda_fused
         self.group = group
+        self.dcp_group = dcp_group
+        dcp = weights.shard.dcp
+        if dcp_group is not None and group is None:
+            raise ValueError("dcp_group needs group (the TP ranks' process group) too")
+        if group is not None and dcp > 1 and weights.mla is not None:
+            import torch.distributed as dist
+            if dcp_group is None:
+                raise ValueError(f"DCP{dcp} with real collectives needs dcp_group (the process group of the DCP ranks)")
+            if dist.get_world_size(dcp_group) != dcp or dist.get_rank(dcp_group) != weights.shard.rank % dcp:
+                raise ValueError(f"dcp_group has size {dist.get_world_size(dcp_group)} and this rank at "
+                                 f"{dist.get_rank(dcp_group)}; DCP{dcp} TP rank {weights.shard.rank} needs size {dcp}, "
+                                 f"rank {weights.shard.rank % dcp}")
         self.w, self.st = weights, state
         self.cfg, self.kind, self.shard = weights.cfg, weights.kind, weights.shard
         self.shape: DecodeShape = state.shape
@@ -79,6 +95,8 @@ class StockLayer:
         self.buffers: dict[str, torch.Tensor] = {}  # named intermediates, for inspection
         self._build()
         self.executor = Executor(self.steps, self.device)
+        if getattr(self, "_dcp_peers", None) is not None and self.device.type != "meta":
+            self._fill_dcp_peers()
 
     # ------------------------------------------------------------------ utils
     def _empty(self, *shape, dtype=torch.bfloat16) -> torch.Tensor:
@@ -249,6 +267,11 @@ class StockLayer:
                                  _nbytes(q_lat), 2 * N * H * nope * kl,
                                  run=lambda: torch.bmm(q_nope_t, W_UK_T, out=q_lat)))
         mqa_q = self._empty(N, H, kl + r)
+        dcp = self.shard.dcp
+        if dcp > 1:  # this rank's share of the latent cache: the positions τ ≡ rank (mod dcp)
+            from ..dcp import shard_cache
+            cache = shard_cache(cache, self.shape.context_per_seq, T, dcp, self.shard.rank % dcp)
+        self.mla_cache = cache
         slot_mapping = cache.slot_mapping(T)
         k_pe = a[:, ql + kl:]
         row = (kl + r) * BF16
@@ -257,22 +280,29 @@ class StockLayer:
                                  _nbytes(mqa_q) + N * row, 0,
                                  run=lambda: ops.mla.mla_q_concat_cache_insert(mqa_q, q_lat, q3[..., nope:], cache.kv,
                                                                                c, k_pe, slot_mapping)))
-        splits = ops.mla.choose_num_splits(B, T, self.shape.max_context) if ops else 1
-        o_part, lse = ops.mla.split_kv_scratch(N, H, splits, self.device, d_lat=kl) if ops else (None, None)
+        self._mla_step = dict(mqa_q=mqa_q, c=c, k_pe=k_pe)
+        q_attn = self._dcp_gather_queries(mqa_q) if dcp > 1 else mqa_q
+        Hq = dcp * H  # the heads this rank attends for: every DCP rank's
+        splits = (ops.mla.choose_num_splits(B, T, self.shape.max_context, heads=Hq, dcp=dcp) if ops else 1)
+        o_part, lse = ops.mla.split_kv_scratch(N, Hq, splits, self.device, d_lat=kl) if ops else (None, None)
         block_table = cache.block_table
         ctx = cache.context_lens
-        kv_rows = sum(c_ + T for c_ in self.shape.context_per_seq)
-        part_bytes = (N * H * splits * (kl + 1)) * FP32
+        dr = self.shard.rank % dcp
+        kv_rows = sum(max(0, -(-(c_ + T - dr) // dcp)) for c_ in self.shape.context_per_seq)
+        part_bytes = (N * Hq * splits * (kl + 1)) * FP32
         scale = cfg.mla_softmax_scale
         self.steps.append(Launch("mla.decode", "MLA decode attention, split-KV (FlashMLA / FA-MLA)", "Triton",
-                                 _nbytes(mqa_q) + kv_rows * row + _nbytes(block_table, ctx), part_bytes,
-                                 sum(2 * H * (c_ + t + 1) * (2 * kl + r)
+                                 _nbytes(q_attn) + kv_rows * row + _nbytes(block_table, ctx), part_bytes,
+                                 sum(2 * Hq * -(-(c_ + t + 1) // dcp) * (2 * kl + r)
                                      for c_ in self.shape.context_per_seq for t in range(T)),
-                                 run=lambda: ops.mla.mla_decode_split_kv(o_part, lse, mqa_q, cache.kv, block_table,
-                                                                         ctx, T, scale, splits)))
+                                 run=lambda: ops.mla.mla_decode_split_kv(o_part, lse, q_attn, cache.kv, block_table,
+                                                                         ctx, T, scale, splits, dcp=dcp, dcp_rank=dr)))
         o_lat = self._empty(H, N, kl)
-        self.steps.append(Launch("mla.decode_combine", "split-KV combine", "Triton", part_bytes, _nbytes(o_lat), 0,
-                                 run=lambda: ops.mla.mla_decode_combine(o_lat, o_part, lse)))
+        if dcp == 1:
+            self.steps.append(Launch("mla.decode_combine", "split-KV combine", "Triton", part_bytes, _nbytes(o_lat), 0,
+                                     run=lambda: ops.mla.mla_decode_combine(o_lat, o_part, lse)))
+        else:
+            self._dcp_combine_exchange_merge(o_lat, o_part, lse, part_bytes)
         o = self._empty(H, N, V)
         self.steps.append(Launch("mla.bmm_w_uv", "bmm W_UV", "cuBLAS", _nbytes(o_lat) + H * kl * V * BF16,
                                  _nbytes(o), 2 * N * H * kl * V, run=lambda: torch.bmm(o_lat, W_UV, out=o)))
@@ -282,6 +312,111 @@ class StockLayer:
                                  2 * N * H * V * BF16, N * H * V * BF16, 0,
                                  run=lambda: ops.small.sigmoid_gate_mul(og, o, g)))
         return self._o_proj_allreduce("mla", og, w.o_proj)
+
+    # ------------------------------------------------------------------ MLA with DCP
+    def _dcp_gather_queries(self, mqa_q: torch.Tensor) -> torch.Tensor:
+        """The all-gather of every DCP rank's queries [dcp, N, H, 576] (slot = DCP rank), as vLLM gathers
+        the decode queries over the DCP group before attention."""
+        import torch.distributed as dist
+
+        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        q_all = self._empty(dcp, *mqa_q.shape)
+        if self.group is not None:
+            g = self.dcp_group
+            self.steps.append(Launch("mla.dcp_q_allgather", "DCP all-gather of the decode queries (real collective)",
+                                     "torch.distributed", _nbytes(mqa_q), _nbytes(q_all), 0,
+                                     run=lambda: dist.all_gather_into_tensor(q_all.view(-1, *mqa_q.shape[1:]),
+                                                                             mqa_q, group=g)))
+            return q_all
+        # emulated: the peers' queries are random stand-ins (their outputs go back to them, unread here)
+        peers = torch.randn(dcp - 1, *mqa_q.shape, generator=self._gen).to(torch.bfloat16).to(self.device)
+        parts = [peers[:dr], mqa_q[None], peers[dr:]]
+        self.steps.append(Launch("mla.dcp_q_allgather", "DCP all-gather of the decode queries (emulated on one GPU)",
+                                 "torch", _nbytes(q_all), _nbytes(q_all), 0,
+                                 run=lambda: torch.cat(parts, out=q_all)))
+        return q_all
+
+    def _dcp_combine_exchange_merge(self, o_lat, o_part, lse, part_bytes: int) -> None:
+        """Combine the splits into every gathered head's partial and log-sum-exp, exchange them so each
+        rank holds all ranks' partials for its own heads (one all-to-all: the bytes of vLLM's reduce-scatter
+        of the outputs plus its all-gather of the log-sum-exps), and merge them exactly.
+
+        The exchange buffer is bf16 [dcp, H, N, kl + 2]: slot s holds the partials for DCP rank s's heads,
+        each row the bf16 output then its fp32 log-sum-exp in the last two bf16 columns."""
+        import torch.distributed as dist
+
+        ops = self.ops
+        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        H, N, kl = o_lat.shape
+        send = self._empty(dcp, H, N, kl + 2)
+        recv = self._empty(dcp, H, N, kl + 2)
+
+        def split(buf):
+            flat = buf.view(dcp * H, N, kl + 2)
+            return flat[..., :kl], flat[..., kl:].view(torch.float32)[..., 0]
+
+        o_send, lse_send = split(send)
+        self.steps.append(Launch("mla.decode_combine", "split-KV combine with log-sum-exp (DCP partials)", "Triton",
+                                 part_bytes, _nbytes(send), 0,
+                                 run=lambda: ops.mla.mla_decode_combine(o_send, o_part, lse, lse_out=lse_send)))
+        if self.group is not None:
+            g = self.dcp_group
+            self.steps.append(Launch("mla.dcp_exchange", "DCP all-to-all of the partials and log-sum-exps "
+                                     "(real collective)", "torch.distributed", _nbytes(send), _nbytes(recv), 0,
+                                     run=lambda: dist.all_to_all_single(recv, send, group=g)))
+            self._dcp_peers = None
+        else:
+            # emulated: the peers' partials for this rank's heads, filled once the step has run
+            # (`_fill_dcp_peers`), so the merged result is the whole attention and checkable
+            peers = self._empty(dcp - 1, H, N, kl + 2)
+            parts = [peers[:dr], send[dr:dr + 1], peers[dr:]]
+            self.steps.append(Launch("mla.dcp_exchange", "DCP all-to-all of the partials and log-sum-exps "
+                                     "(emulated on one GPU)", "torch", _nbytes(recv), _nbytes(recv), 0,
+                                     run=lambda: torch.cat(parts, out=recv)))
+            self._dcp_peers = peers
+        o_ranks = recv[..., :kl]
+        lse_ranks = recv[..., kl:].view(torch.float32)[..., 0]
+        self.steps.append(Launch("mla.dcp_merge", "DCP log-sum-exp merge of the ranks' partials", "Triton",
+                                 _nbytes(recv), _nbytes(o_lat), 0,
+                                 run=lambda: ops.mla.mla_dcp_merge(o_lat, o_ranks, lse_ranks)))
+        self.buffers.update(dcp_send=send, dcp_recv=recv)
+
+    def _fill_dcp_peers(self) -> None:
+        """Emulated DCP: run the step's launches up to the query / cache insert once, then compute what
+        each peer DCP rank would send this rank (its partial attention for this rank's heads over the
+        positions it holds, in the reference's fp32 math from this step's queries and cache rows) into the
+        peers' exchange slots. The AttnRes carry those launches update in place is restored after."""
+        from ..dcp import owned_positions, partial_attention
+        from .launch import Fork
+
+        carry = self.st.carry
+        saved = [(t, t.clone()) for t in (carry.p, carry.blocks, carry.h) if t is not None]
+        for step in self.steps:
+            for launch in (step.launches if isinstance(step, Fork) else [step] if isinstance(step, Launch) else []):
+                launch.run()
+            if isinstance(step, Launch) and step.label == "mla.q_concat_cache_insert":
+                break
+        for t, copy in saved:
+            t.copy_(copy)
+        cache = self.st.mla  # the whole cache: every position's rows
+        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        T, kl = self.shape.tokens_per_seq, self.cfg.kv_lora_rank
+        m = self._mla_step
+        new_rows = torch.cat([m["c"], m["k_pe"]], -1)  # the step's rows [N, 576]
+        peers = self._dcp_peers
+        o_v, lse_v = peers[..., :kl], peers[..., kl:].view(torch.float32)[..., 0]
+        for b, ctx in enumerate(self.shape.context_per_seq):
+            rows = torch.cat([cache.gather(b, ctx), new_rows[b * T:(b + 1) * T]])
+            for s in range(dcp):
+                if s == dr:
+                    continue
+                j = s if s < dr else s - 1
+                pos = owned_positions(ctx + T, dcp, s, device=rows.device)
+                for t in range(T):
+                    i = b * T + t
+                    o, lse = partial_attention(m["mqa_q"][i], rows[pos], pos, ctx + t, self.cfg.mla_softmax_scale, kl)
+                    o_v[j, :, i] = o.to(o_v.dtype)
+                    lse_v[j, :, i] = lse
 
     # ------------------------------------------------------------------ MoE
     def _moe(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,12 @@ preallocated by the caller, so the sequence is CUDA-graph capturable):
        stored bf16 in any layout (the natural one is [H, N, 512], read directly by the
        W_UV bmm).
 
+Decode context parallelism (DCP D, `docs/stock_schedule.md`): a rank's cache holds the positions
+τ ≡ rank (mod D) of each sequence (τ at local row τ // D); launch 2 takes the DCP-gathered queries
+[D, N, H, 576] (all D ranks' heads, cut into groups of ≤ 16 per program) and attends over the local
+rows only, the combine also writes each (head, token)'s log-sum-exp, and `mla_dcp_merge` (the
+combine kernel with ranks as splits) merges the ranks' partials for this rank's heads exactly.
+
 Tokens are sequence-major: N = B·T, token i is step token t = i % T of sequence
 b = i // T and attends to cache positions 0 .. context_lens[b] + t (inclusive); the
 step's rows must already be in the cache (launch 1).
@@ -143,41 +149,51 @@ def _attend_tile(q_lo, q_hi, q_pe, m_i, l_i, acc_lo, acc_hi, KV, bt_row, n0, end
 @triton.jit
 def _decode_split_kv_kernel(
     O_PART, LSE_PART, Q, KV, BT, CTX,
-    s_q_n, s_q_h,
+    s_q_slot, s_q_n, s_q_h,
     s_kv_b, s_kv_r,
     s_bt_b,
     s_o_n, s_o_h, s_o_s,
     s_l_n, s_l_h,
     qk_scale,  # softmax scale · log2(e)
-    T, NUM_SPLITS,
-    H: tl.constexpr, TG: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    T, NUM_SPLITS, DCP, DCP_RANK,
+    H: tl.constexpr, HS: tl.constexpr, HG: tl.constexpr, N_HG: tl.constexpr, TG: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_HALF: tl.constexpr, D_PE: tl.constexpr, PE_BLOCK: tl.constexpr, PAGE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    bg = tl.program_id(0)  # the token groups of one split are neighbours: they share the chunk in L2
+    # the head groups and token groups of one split are neighbours: they share the chunk in L2
+    pid = tl.program_id(0)
+    hg = pid % N_HG
+    bg = pid // N_HG
     split = tl.program_id(1)
     n_groups = tl.cdiv(T, TG)
     b = bg // n_groups
     t0 = (bg % n_groups) * TG
 
-    # rows of this program: r = t_loc·H + h for step tokens t0 .. t0+TG-1 of sequence b
+    # rows of this program: r = t_loc·HG + j for step tokens t0 .. t0+TG-1 of sequence b and heads
+    # h = hg·HG + j of the H query heads; head h is head h % HS of query slot h // HS (DCP: the slots
+    # are the DCP ranks' gathered queries, one slot without DCP)
     r = tl.arange(0, BLOCK_H)
-    t_loc = r // H
-    h = r % H
+    t_loc = r // HG
+    h = hg * HG + r % HG
     t = t0 + t_loc
-    row_ok = (t_loc < TG) & (t < T)
+    row_ok = (t_loc < TG) & (t < T) & (h < H)
     tok = (b * T + t).to(tl.int64)
 
+    # the cache holds the positions τ ≡ DCP_RANK (mod DCP) of the sequence, τ at local row τ // DCP
+    # (all positions in order without DCP); contexts are global positions
     ctx = tl.load(CTX + b).to(tl.int32)
-    limit = ctx + t  # last cache position row r may attend to
-    kv_len = ctx + tl.minimum(t0 + TG, T)  # positions any row of the group attends to
+    x = ctx + t - DCP_RANK
+    limit = tl.where(x >= 0, x // DCP, -1)  # last local row row r may attend to
+    x_last = ctx + tl.minimum(t0 + TG, T) - 1 - DCP_RANK
+    kv_len = tl.where(x_last >= 0, x_last // DCP + 1, 0)  # local rows any row of the group attends to
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
 
     dh = tl.arange(0, D_HALF)
     e = tl.arange(0, PE_BLOCK)
-    q_row = Q + tok * s_q_n + h * s_q_h
+    q_row = Q + (h // HS).to(tl.int64) * s_q_slot + tok * s_q_n + (h % HS) * s_q_h
     q_lo = tl.load(q_row[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
     q_hi = tl.load(q_row[:, None] + D_HALF + dh[None, :], mask=row_ok[:, None], other=0.0)
     q_pe = tl.load(q_row[:, None] + 2 * D_HALF + e[None, :], mask=row_ok[:, None] & (e < D_PE)[None, :],
@@ -218,11 +234,13 @@ def _decode_split_kv_kernel(
 
 @triton.jit
 def _combine_kernel(
-    O_LAT, O_PART, LSE_PART,
+    O_LAT, O_PART, LSE_PART, LSE_OUT,
     s_out_h, s_out_n, s_out_d,
     s_o_n, s_o_h, s_o_s,
-    s_l_n, s_l_h,
+    s_l_n, s_l_h, s_l_s,
+    s_lo_h, s_lo_n,
     NUM_SPLITS: tl.constexpr, S_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -231,11 +249,14 @@ def _combine_kernel(
 
     # all splits' log-sum-exps in one load: LSE = m + ln Σ exp(lse_s - m)
     sa = tl.arange(0, S_POW2)
-    lse_all = tl.load(lse_row + sa, mask=sa < NUM_SPLITS, other=float("-inf"))
+    lse_all = tl.load(lse_row + sa * s_l_s, mask=sa < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse_all, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     z = tl.sum(tl.exp(lse_all - m_use), 0)
     lse_tot = m_use + tl.log(tl.where(z > 0.0, z, 1.0))
+    if WRITE_LSE:  # the merged log-sum-exp (−inf where nothing was visible), once per (token, head)
+        if tl.program_id(2) == 0:
+            tl.store(LSE_OUT + h * s_lo_h + i * s_lo_n, tl.where(z > 0.0, lse_tot, float("-inf")))
 
     # weighted sum of the partial outputs (empty splits have weight 0 and are not read);
     # the tiles are independent, so their loads overlap
@@ -244,7 +265,7 @@ def _combine_kernel(
     s_off = tl.arange(0, BLOCK_S)
     for s0 in tl.static_range(0, NUM_SPLITS, BLOCK_S):
         sv = s0 + s_off
-        v = tl.load(lse_row + sv, mask=sv < NUM_SPLITS, other=float("-inf"))
+        v = tl.load(lse_row + sv * s_l_s, mask=sv < NUM_SPLITS, other=float("-inf"))
         w = tl.exp(v - lse_tot)
         part = tl.load(o_row + sv[:, None] * s_o_s + d[None, :], mask=(w > 0.0)[:, None], other=0.0)
         acc += tl.sum(part * w[:, None], 0)
@@ -301,10 +322,18 @@ def _dims(width: int, d_lat: int) -> tuple[int, int]:
     return d_lat, d_pe
 
 
-def _grid_groups(H: int, T: int) -> tuple[int, int]:
-    """(TG step tokens per program, BLOCK_H rows): all H heads of TG tokens in ≤ DECODE_ROWS rows."""
-    tg = max(1, min(T, DECODE_ROWS // H)) if H <= DECODE_ROWS else 1
-    return tg, max(16, triton.next_power_of_2(tg * H))
+def _grid_groups(H: int, T: int) -> tuple[int, int, int, int]:
+    """(TG step tokens per program, HG heads per program, N_HG head groups, BLOCK_H rows).
+
+    Up to DECODE_ROWS heads: all H heads of TG tokens in one program (≤ DECODE_ROWS rows). More heads
+    (the DCP-gathered queries): one token per program and the heads cut into ⌈H / DECODE_ROWS⌉ equal
+    groups, each a program that reads the chunk (its neighbours read it from L2)."""
+    if H <= DECODE_ROWS:
+        tg = max(1, min(T, DECODE_ROWS // H))
+        return tg, H, 1, max(16, triton.next_power_of_2(tg * H))
+    n_hg = triton.cdiv(H, DECODE_ROWS)
+    hg = triton.cdiv(H, n_hg)
+    return 1, hg, n_hg, max(16, triton.next_power_of_2(hg))
 
 
 def mla_q_concat_cache_insert(mqa_q: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
@@ -347,18 +376,27 @@ def mla_q_concat_cache_insert(mqa_q: torch.Tensor, q_lat: torch.Tensor, q_pe: to
 
 def mla_decode_split_kv(o_part: torch.Tensor, lse_part: torch.Tensor, mqa_q: torch.Tensor,
                         kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-                        tokens_per_seq: int, scale: float = SCALE, num_splits: int | None = None) -> None:
+                        tokens_per_seq: int, scale: float = SCALE, num_splits: int | None = None,
+                        dcp: int = 1, dcp_rank: int = 0) -> None:
     """One launch: split-KV MLA decode over the paged latent cache, all heads per program.
 
     o_part [N, H, num_splits, 512] fp32 and lse_part [N, H, num_splits] fp32 (written,
-    natural-log LSE, −inf and zeros for an empty split); mqa_q [N, H, 576] bf16;
+    natural-log LSE, −inf and zeros for an empty split); mqa_q [N, H, 576] bf16, or the
+    DCP-gathered queries [D, N, H/D, 576] (head h = slot h // (H/D), head h % (H/D));
     kv_cache [num_blocks, block_size, 576] bf16 (block_size a multiple of DECODE_BLOCK_N);
     block_table [B, max_blocks] and context_lens [B] int32/int64 with N = B · tokens_per_seq.
     num_splits defaults to o_part.shape[2] and must equal it.
+
+    dcp, dcp_rank: decode context parallelism. The cache then holds only the positions
+    τ ≡ dcp_rank (mod dcp) of each sequence, position τ at the sequence's local row τ // dcp;
+    context_lens stay global positions. The outputs are this rank's partials over its rows.
     """
-    _need(isinstance(mqa_q, torch.Tensor) and mqa_q.dim() == 3, "mqa_q must be a 3-d tensor [N, H, 576]")
+    _need(isinstance(mqa_q, torch.Tensor) and mqa_q.dim() in (3, 4),
+          "mqa_q must be a 3-d tensor [N, H, 576] or DCP-gathered [D, N, H/D, 576]")
     dev = mqa_q.device
-    N, H, width = mqa_q.shape
+    slots = mqa_q.shape[0] if mqa_q.dim() == 4 else 1
+    N, HS, width = mqa_q.shape[-3:]
+    H = slots * HS
     _, page, kv_width = _check_cache(kv_cache, dev)
     _need(kv_width == width, f"mqa_q width {width} differs from the cache row width {kv_width}")
     _need(isinstance(o_part, torch.Tensor) and o_part.dim() == 4,
@@ -371,13 +409,15 @@ def mla_decode_split_kv(o_part: torch.Tensor, lse_part: torch.Tensor, mqa_q: tor
     d_lat, d_pe = _dims(width, o_part.shape[3])
     _need(isinstance(tokens_per_seq, int) and tokens_per_seq >= 1,
           f"tokens_per_seq must be a positive int, got {tokens_per_seq!r}")
+    _need(isinstance(dcp, int) and dcp >= 1 and isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp,
+          f"need dcp >= 1 and 0 <= dcp_rank < dcp, got dcp={dcp!r}, dcp_rank={dcp_rank!r}")
     _need(isinstance(block_table, torch.Tensor) and block_table.dim() == 2,
           "block_table must be a 2-d tensor [B, max_blocks]")
     B = block_table.shape[0]
     _need(N == B * tokens_per_seq, f"{N} query tokens for {B} sequences × {tokens_per_seq} tokens")
     _check_tensor("o_part", o_part, (N, H, S, d_lat), torch.float32, dev)
     _check_tensor("lse_part", lse_part, (N, H, S), torch.float32, dev)
-    _check_tensor("mqa_q", mqa_q, (N, H, width), torch.bfloat16, dev)
+    _check_tensor("mqa_q", mqa_q, tuple(mqa_q.shape), torch.bfloat16, dev)
     _check_tensor("block_table", block_table, tuple(block_table.shape), _INT, dev)
     _check_tensor("context_lens", context_lens, (B,), _INT, dev)
     _need(page % DECODE_BLOCK_N == 0, f"cache block_size {page} must be a multiple of {DECODE_BLOCK_N}")
@@ -385,19 +425,20 @@ def mla_decode_split_kv(o_part: torch.Tensor, lse_part: torch.Tensor, mqa_q: tor
           f"scale must be a positive finite float, got {scale!r}")
     if N == 0:
         return
-    tg, block_h = _grid_groups(H, tokens_per_seq)
-    grid = (B * triton.cdiv(tokens_per_seq, tg), S)
+    tg, hg, n_hg, block_h = _grid_groups(H, tokens_per_seq)
+    grid = (B * triton.cdiv(tokens_per_seq, tg) * n_hg, S)
+    s_slot = mqa_q.stride(0) if mqa_q.dim() == 4 else 0
     _decode_split_kv_kernel[grid](
         o_part, lse_part, mqa_q, kv_cache, block_table, context_lens,
-        mqa_q.stride(0), mqa_q.stride(1),
+        s_slot, mqa_q.stride(-3), mqa_q.stride(-2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         float(scale) * LOG2E,
-        tokens_per_seq, S,
-        H=H, TG=tg, BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N, D_HALF=d_lat // 2, D_PE=d_pe,
-        PE_BLOCK=max(16, d_pe), PAGE=page, INTERPRET=_interpreting(),
+        tokens_per_seq, S, dcp, dcp_rank,
+        H=H, HS=HS, HG=hg, N_HG=n_hg, TG=tg, BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N, D_HALF=d_lat // 2,
+        D_PE=d_pe, PE_BLOCK=max(16, d_pe), PAGE=page, INTERPRET=_interpreting(),
         num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
 
@@ -414,35 +455,68 @@ def _combine_config(N: int, H: int, S: int, D: int) -> tuple[int, int, int]:
     return block_d, warps, block_s
 
 
-def mla_decode_combine(o_lat: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
+def _combine(o_lat, o_part, lse_part, lse_out, o_strides, l_strides) -> None:
+    N, H, S, D = o_part.shape
+    block_d, warps, block_s = _combine_config(N, H, S, D)
+    _need(_is_pow2(block_d) and D % block_d == 0, f"latent dim {D} must be a power of two")
+    if N == 0 or H == 0:
+        return
+    write_lse = lse_out is not None
+    _combine_kernel[(N, H, D // block_d)](
+        o_lat, o_part, lse_part, lse_out if write_lse else lse_part,
+        o_lat.stride(0), o_lat.stride(1), o_lat.stride(2),
+        *o_strides, *l_strides,
+        lse_out.stride(0) if write_lse else 0, lse_out.stride(1) if write_lse else 0,
+        NUM_SPLITS=S, S_POW2=triton.next_power_of_2(S), BLOCK_S=block_s, BLOCK_D=block_d,
+        WRITE_LSE=write_lse, num_warps=warps,
+    )
+
+
+def mla_decode_combine(o_lat: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
+                       lse_out: torch.Tensor | None = None) -> None:
     """One launch: o_lat[h, i] = Σ_s softmax_s(lse_part[i, h, :]) · o_part[i, h, s] (bf16 out).
 
     o_lat [H, N, 512] bf16, any strides (e.g. the input of the W_UV bmm); o_part
     [N, H, S, 512] fp32 and lse_part [N, H, S] fp32 from `mla_decode_split_kv`.
+    lse_out [H, N] fp32 (optional, any strides): the merged log-sum-exp of each (head, token),
+    −inf where no row was visible (a DCP rank's partial, merged across ranks by `mla_dcp_merge`).
     """
     _need(isinstance(o_part, torch.Tensor) and o_part.dim() == 4,
           "o_part must be a 4-d tensor [N, H, num_splits, 512]")
     dev = o_part.device
     N, H, S, D = o_part.shape
     _check_tensor("o_part", o_part, (N, H, S, D), torch.float32, dev)
-    _check_tensor("lse_part", lse_part, (N, H, S), torch.float32, dev)
+    _check_tensor("lse_part", lse_part, (N, H, S), torch.float32, dev, last_contiguous=False)
     _check_tensor("o_lat", o_lat, (H, N, D), torch.bfloat16, dev, last_contiguous=False)
+    if lse_out is not None:
+        _check_tensor("lse_out", lse_out, (H, N), torch.float32, dev, last_contiguous=False)
     _need(S >= 1, "o_part has no splits")
-    block_d, warps, block_s = _combine_config(N, H, S, D)
-    _need(_is_pow2(block_d) and D % block_d == 0, f"latent dim {D} must be a power of two")
-    if N == 0 or H == 0:
-        return
-    _combine_kernel[(N, H, D // block_d)](
-        o_lat, o_part, lse_part,
-        o_lat.stride(0), o_lat.stride(1), o_lat.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
-        NUM_SPLITS=S, S_POW2=triton.next_power_of_2(S), BLOCK_S=block_s, BLOCK_D=block_d,
-        num_warps=warps,
-    )
+    _combine(o_lat, o_part, lse_part, lse_out, (o_part.stride(0), o_part.stride(1), o_part.stride(2)),
+             (lse_part.stride(0), lse_part.stride(1), lse_part.stride(2)))
 
 
-def choose_num_splits(batch: int, tokens_per_seq: int, max_context: int, num_sms: int = 132) -> int:
+def mla_dcp_merge(o_lat: torch.Tensor, o_ranks: torch.Tensor, lse_ranks: torch.Tensor) -> None:
+    """One launch: the exact merge of D DCP ranks' partial attention outputs for this rank's heads,
+    o_lat[h, i] = Σ_r exp(lse_r − LSE) · o_r[h, i], LSE = log Σ_r exp(lse_r) (the combine kernel with the
+    ranks as its splits).
+
+    o_lat [H, N, 512] bf16 (written, any strides); o_ranks [D, H, N, 512] bf16 or fp32 and lse_ranks
+    [D, H, N] fp32: rank r's normalised partial over its rows and its log-sum-exp (−inf: nothing visible).
+    """
+    _need(isinstance(o_ranks, torch.Tensor) and o_ranks.dim() == 4, "o_ranks must be a 4-d tensor [D, H, N, 512]")
+    dev = o_ranks.device
+    D, H, N, C = o_ranks.shape
+    _check_tensor("o_ranks", o_ranks, (D, H, N, C), (torch.bfloat16, torch.float32), dev)
+    _check_tensor("lse_ranks", lse_ranks, (D, H, N), torch.float32, dev, last_contiguous=False)
+    _check_tensor("o_lat", o_lat, (H, N, C), torch.bfloat16, dev, last_contiguous=False)
+    # as the combine's o_part [N, H, S = D, C] and lse_part [N, H, S]
+    view = o_ranks.permute(2, 1, 0, 3)
+    _combine(o_lat, view, lse_ranks.permute(2, 1, 0), None, (view.stride(0), view.stride(1), view.stride(2)),
+             (lse_ranks.stride(2), lse_ranks.stride(1), lse_ranks.stride(0)))
+
+
+def choose_num_splits(batch: int, tokens_per_seq: int, max_context: int, num_sms: int = 132,
+                      heads: int = 1, dcp: int = 1) -> int:
     """Splits per sequence for `mla_decode_split_kv` (pure Python).
 
     Aim for PROGRAMS_PER_SM programs per SM (B · T · splits ≈ PROGRAMS_PER_SM · num_sms; a
@@ -450,15 +524,19 @@ def choose_num_splits(batch: int, tokens_per_seq: int, max_context: int, num_sms
     and the second wave evens out the tail: on the H200, 1 × 32K context took 18.1 µs with 264
     splits against 20.0 µs with 132) while keeping at least MIN_SPLIT_TOKENS cache rows per
     split. Programs per split are counted as B · T (a program takes more than one step token
-    only for ≤ 8 heads, where this errs towards fewer splits).
+    only for ≤ 8 heads, where this errs towards fewer splits). `heads` above DECODE_ROWS (the
+    DCP-gathered queries) multiplies the programs per split by the head groups; with `dcp` a rank's
+    sequence holds ⌈(context + tokens) / dcp⌉ rows.
     """
-    for name, v in (("batch", batch), ("tokens_per_seq", tokens_per_seq), ("num_sms", num_sms)):
+    for name, v in (("batch", batch), ("tokens_per_seq", tokens_per_seq), ("num_sms", num_sms),
+                    ("heads", heads), ("dcp", dcp)):
         if not isinstance(v, int) or v < 1:
             _fail(f"{name} must be a positive int, got {v!r}")
     if not isinstance(max_context, int) or max_context < 0:
         _fail(f"max_context must be a non-negative int, got {max_context!r}")
-    kv_len = max_context + tokens_per_seq
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * tokens_per_seq)
+    kv_len = triton.cdiv(max_context + tokens_per_seq, dcp)
+    head_groups = triton.cdiv(heads, DECODE_ROWS) if heads > DECODE_ROWS else 1
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, batch * tokens_per_seq * head_groups)
     return max(1, min(want, triton.cdiv(kv_len, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 
