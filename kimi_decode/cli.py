@@ -68,12 +68,13 @@ def _cmd_check(args) -> int:
 def _cmd_inventory(args) -> int:
     from .inventory import inventory
 
-    df = inventory(args.layer, args.tp, DecodeShape(args.batch, args.tokens, args.context), args.executor)
+    df = inventory(args.layer, args.tp, DecodeShape(args.batch, args.tokens, args.context), args.executor, args.dcp)
     if args.json:
         print(json.dumps({"layer": args.layer, "tp": args.tp, "executor": args.executor,
                           "launches": df.to_dict(orient="records"), "count": len(df)}, indent=2))
         return 0
-    print(f"{args.executor} schedule, {args.layer} layer, TP{args.tp} rank, batch {args.batch} x {args.tokens} "
+    print(f"{args.executor} schedule, {args.layer} layer, TP{args.tp} rank" + (f", DCP{args.dcp}" if args.dcp > 1 else "")
+          + f", batch {args.batch} x {args.tokens} "
           f"token(s), context {args.context}")
     print(df.to_string(index=False, formatters={"bytes_read": "{:,}".format, "bytes_written": "{:,}".format,
                                                 "flops": "{:,}".format}))
@@ -90,8 +91,12 @@ def _cmd_sweep(args) -> int:
     from .sweeps import run_sweep, stock_configs
 
     configs = stock_configs(kinds=tuple(args.layers.split(",")), tps=_ints(args.tps), batches=_ints(args.batches),
-                            contexts=_ints(args.contexts))
-    configs = [(k, t, DecodeShape(s.batch, n, s.context_lens)) for n in _ints(args.tokens) for k, t, s in configs]
+                            contexts=_ints(args.contexts), dcps=_ints(args.dcps))
+    configs = [(k, t, DecodeShape(s.batch, n, s.context_lens), d) for n in _ints(args.tokens) for k, t, s, d in configs]
+    if args.executor != "stock" and any(d > 1 for *_, d in configs):
+        print(f"--dcps above 1 runs the stock schedule only (its MLA path shards the cache); got --executor "
+              f"{args.executor}")
+        return 2
     df = run_sweep(make_executor(args.executor), args.executor, configs, out_csv=args.out,
                    replays=args.replays, progress=not args.no_progress, timed=not args.check_only)
     print(f"{len(df)} configurations, {int(df.check_ok.sum())} passed the reference check"
@@ -255,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", required=True, choices=LAYER_KINDS)
     p.add_argument("--tp", type=int, default=8, help="8 or 16 (default 8)")
     p.add_argument("--executor", default="stock", choices=["stock"])
+    p.add_argument("--dcp", type=int, default=1, help="decode context parallel size, MLA layers (default 1)")
     _add_shape_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_inventory)
@@ -270,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tps", default="8,16")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="8192,32768", help="MLA contexts (KDA layers use the first)")
+    p.add_argument("--dcps", default="1",
+                   help="decode context parallel sizes for the MLA layers, e.g. 1,2,4,8 (stock: one rank with the "
+                        "DCP collectives emulated; other layers run DCP 1)")
     _add_run_args(p, "tokens per sequence, e.g. 1 or 1,4,8 (2..8 = speculative verify)")
     p.set_defaults(func=_cmd_sweep)
 

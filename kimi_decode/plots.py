@@ -148,6 +148,35 @@ def plot_floor_vs_batch(df, tp: int = 8, ax=None):
     return ax
 
 
+def plot_dcp_measured(df, ax=None, title: str | None = None):
+    """Measured µs per MLA+MoE layer step of one rank against the DCP size (a `kimi-decode sweep --dcps`
+    CSV such as `stock_dcp_h200_tp8`): one line per (batch, context) with p10–p90 bars, and dashed in the
+    same colour the memory floor of the same bytes (the rank's 1/DCP share of the latent cache)."""
+    d = df[df.get("check_ok", True) & df.us_median.notna()] if "us_median" in df.columns else df.iloc[0:0]
+    if d.empty:
+        raise ValueError("no timed rows (us_median) in this frame")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4.5))
+    for (b, ctx), g in d.groupby(["batch", "context"]):
+        g = g.sort_values("dcp")
+        line = ax.errorbar(g.dcp, g.us_median, yerr=[g.us_median - g.us_p10, g.us_p90 - g.us_median], marker="o",
+                           capsize=3, label=f"batch {b}, context {ctx:,}")
+        ax.plot(g.dcp, g.floor_us, "--", lw=1, color=line[0].get_color())
+    ax.set_xscale("log", base=2)
+    ds = sorted(set(int(x) for x in d.dcp))
+    ax.set_xticks(ds, [str(x) for x in ds])
+    ax.set_yscale("log")
+    ax.set_xlabel("decode context parallel size (latent cache sharded by position over the ranks)")
+    ax.set_ylabel("µs per layer step on one rank (median, p10–p90)")
+    gpu = d.gpu.iloc[0] if "gpu" in d.columns else "GPU"
+    ax.set_title(title or f"MLA+MoE layer, TP{int(d.tp.iloc[0])} rank on the {gpu}: measured (solid) and memory "
+                          f"floor (dashed)", fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
 # ------------------------------------------------------------ Nsight Compute profiles (kimi_decode.profile)
 
 

@@ -79,11 +79,13 @@ def copies_of_step(make_executor, kind: str, shard: ShardSpec, shape: DecodeShap
 def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor_name: str,
                  weights: LayerWeights, copy_bw: float, replays: int = 100, seed: int = 0,
                  timed: bool = True) -> dict:
-    shard = ShardSpec(tp=tp)
+    """Check one configuration against the reference, then time it. The DCP size is the weights' own
+    (`weights.shard.dcp`; MLA layers only)."""
+    shard = ShardSpec(tp=tp, dcp=weights.shard.dcp)
     check_supported(layer=kind, shard=shard, shape=shape)
     dev = weights.attn_res.input_layernorm.device
     st = make_decode_state(kind, shard, shape, seed=seed, device=dev)
-    row = {"executor": executor_name, "layer": kind, "tp": tp, "batch": shape.batch,
+    row = {"executor": executor_name, "layer": kind, "tp": tp, "dcp": shard.dcp, "batch": shape.batch,
            "tokens_per_seq": shape.tokens_per_seq, "context": max(shape.context_per_seq)}
     row.update(check_against_reference(make_executor, weights, st))
     if not row["check_ok"] or not timed:
@@ -114,34 +116,46 @@ def bench_config(kind: str, tp: int, shape: DecodeShape, make_executor, executor
     return row
 
 
-def run_sweep(make_executor, executor_name: str, configs: Iterable[tuple[str, int, DecodeShape]],
+def _config(c) -> tuple[str, int, DecodeShape, int]:
+    """(layer, tp, shape) or (layer, tp, shape, dcp) -> (layer, tp, shape, dcp)."""
+    if len(c) == 3:
+        return (*c, 1)
+    kind, tp, shape, dcp = c
+    if dcp > 1 and kind != "mla_moe":
+        raise ValueError(f"DCP{dcp} applies to MLA layers only (KDA layers keep per-sequence state), got {kind}")
+    return kind, tp, shape, dcp
+
+
+def run_sweep(make_executor, executor_name: str, configs: Iterable[tuple],
               out_csv: str | Path | None = None, replays: int = 100, progress: bool = True,
               timed: bool = True) -> pd.DataFrame:
-    """Benchmark `configs` = [(layer, tp, shape)], reusing weights per (layer, tp); append to `out_csv`.
+    """Benchmark `configs` = [(layer, tp, shape)] or [(layer, tp, shape, dcp)], reusing weights per
+    (layer, tp); append to `out_csv`.
 
     `timed=False` only checks each configuration against the reference (no CUDA graph, no timing)."""
     from tqdm.auto import tqdm
 
     if not torch.cuda.is_available():
         raise RuntimeError("timing needs a CUDA GPU; on a CPU machine read data/measured/ instead")
-    configs = list(configs)
-    for kind, tp, shape in configs:
-        check_supported(layer=kind, tp=tp, shape=shape)
+    configs = [_config(c) for c in configs]
+    for kind, tp, shape, dcp in configs:
+        check_supported(layer=kind, tp=tp, dcp=dcp, shape=shape)
     copy_bw = measure_copy_bandwidth() if timed else float("nan")
     prov = provenance()
     rows = []
     cache: dict = {}
-    for kind, tp, shape in tqdm(configs, desc=f"{executor_name} sweep", disable=not progress):
+    for kind, tp, shape, dcp in tqdm(configs, desc=f"{executor_name} sweep", disable=not progress):
         key = (kind, tp)
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache()
             cache[key] = make_layer_weights(kind, ShardSpec(tp=tp), seed=0).to("cuda")
+        weights = dataclasses.replace(cache[key], shard=ShardSpec(tp=tp, dcp=dcp)) if dcp > 1 else cache[key]
         try:
-            row = bench_config(kind, tp, shape, make_executor, executor_name, cache[key], copy_bw, replays,
+            row = bench_config(kind, tp, shape, make_executor, executor_name, weights, copy_bw, replays,
                                timed=timed)
         except Exception as e:  # record and go on: one failing config must not lose the sweep
-            row = {"executor": executor_name, "layer": kind, "tp": tp, "batch": shape.batch,
+            row = {"executor": executor_name, "layer": kind, "tp": tp, "dcp": dcp, "batch": shape.batch,
                    "tokens_per_seq": shape.tokens_per_seq, "context": max(shape.context_per_seq),
                    "check_ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
         row.update(prov)
@@ -154,7 +168,8 @@ def run_sweep(make_executor, executor_name: str, configs: Iterable[tuple[str, in
 
 
 def _summary(r: dict) -> str:
-    head = f"{r['executor']:<6} {r['layer']:<8} tp{r['tp']:<3} b{r['batch']:<3} ctx{r['context']:<6}"
+    head = (f"{r['executor']:<6} {r['layer']:<8} tp{r['tp']:<3}" + (f" dcp{r['dcp']}" if r.get("dcp", 1) > 1 else "")
+            + f" b{r['batch']:<3} ctx{r['context']:<6}")
     if r.get("check_ok") and "us_median" not in r:
         return f"{head} t{r['tokens_per_seq']} check ok  err {r['err_vs_fp32']:.1e} (bound {r['err_bound']:.1e}) " \
                f"routing flips {r['routing_flips']}"
@@ -167,11 +182,14 @@ def _summary(r: dict) -> str:
 
 
 def stock_configs(kinds=("dense", "kda_moe", "mla_moe"), tps=(8, 16), batches=(1, 8, 32, 64),
-                  contexts=(8192, 32768)) -> list[tuple[str, int, DecodeShape]]:
+                  contexts=(8192, 32768), dcps=(1,)) -> list[tuple[str, int, DecodeShape, int]]:
+    """(layer, tp, shape, dcp) for each combination; MLA layers take every context and DCP size, the
+    others the first context and DCP 1."""
     out = []
     for tp in tps:
         for kind in kinds:
             for b in batches:
                 for c in (contexts if kind == "mla_moe" else (contexts[0],)):
-                    out.append((kind, tp, DecodeShape(b, 1, c)))
+                    for d in (dcps if kind == "mla_moe" else (1,)):
+                        out.append((kind, tp, DecodeShape(b, 1, c), d))
     return out

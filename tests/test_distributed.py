@@ -142,3 +142,54 @@ def test_multi_gpu_launcher_says_what_is_missing_without_gpus(capsys):
     assert main(["--out", "unused.csv"]) == 3
     assert "needs CUDA GPUs" in capsys.readouterr().out
 
+
+
+def _check_step_worker(rank, world, init_method, result_dir):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kimi_decode.distributed import dcp_groups
+    from kimi_decode.multi_gpu import check_step
+    init(rank, world, init_method, backend="gloo")
+    sh = ShardSpec(tp=world, rank=rank, dcp=world, cfg=KimiK3Config.tiny())
+    checks, h = check_step(make_layer_weights("mla_moe", sh, seed=4), DecodeShape(1, 1, 40), dist.group.WORLD,
+                           dcp_groups(world), "cpu")
+    torch.save(checks, os.path.join(result_dir, f"check{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_multi_gpu_check_step_runs_with_dcp_on_gloo(tmp_path):
+    """The multi-GPU launcher's per-rank check (the part that needs no CUDA graph) on two CPU processes."""
+    _spawn(_check_step_worker, 2, tmp_path)
+    for r in range(2):
+        assert torch.load(tmp_path / f"check{r}.pt") == {"ranks_agree": True, "all_written": True}
+
+
+def _oneshot_worker(rank, world, init_method, result_dir):
+    from kimi_decode.state import make_decode_state
+    from kimi_decode.stock.schedule import StockLayer
+    init(rank, world, init_method, backend="gloo")
+    sh = ShardSpec(tp=world, rank=rank, cfg=KimiK3Config.tiny())
+    w = make_layer_weights("dense", sh, seed=1)
+    st = make_decode_state("dense", sh, DecodeShape(1, 1, 4), seed=1)
+    try:
+        StockLayer(w, st, group=dist.group.WORLD, allreduce="oneshot")
+        msg = "built"
+    except ValueError as e:
+        msg = str(e)
+    torch.save(msg, os.path.join(result_dir, f"oneshot{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_oneshot_allreduce_is_refused_where_it_cannot_run(tmp_path):
+    """The one-shot all-reduce needs a process group and CUDA tensors; both are checked before any build."""
+    from kimi_decode.state import make_decode_state
+    from kimi_decode.stock.schedule import StockLayer
+    sh = ShardSpec(tp=2, cfg=KimiK3Config.tiny())
+    w, st = make_layer_weights("dense", sh, seed=1), make_decode_state("dense", sh, DecodeShape(1, 1, 4), seed=1)
+    with pytest.raises(ValueError, match="needs group"):
+        StockLayer(w, st, allreduce="oneshot")
+    with pytest.raises(ValueError, match="allreduce must be one of"):
+        StockLayer(w, st, allreduce="ring")
+    if not torch.cuda.is_available():
+        _spawn(_oneshot_worker, 2, tmp_path)
+        assert "needs CUDA tensors" in torch.load(tmp_path / "oneshot0.pt")

@@ -31,3 +31,22 @@ def test_graph_breakdown_plot_stacks_each_executors_launches():
     import pytest
     with pytest.raises(ValueError, match="batches present"):
         plots.plot_graph_breakdown(df, batch=3)
+
+
+def test_dcp_plot_draws_one_line_and_floor_per_batch_and_context():
+    """Structure only: a frame shaped like a `sweep --dcps` CSV (floors from the byte counts; the timings are
+    the floors scaled, as test input) gives one line per (batch, context) over the DCP sizes."""
+    import pandas as pd
+    import pytest
+
+    from kimi_decode.byte_counts import floor_sweep
+    f = floor_sweep(layers=("mla_moe",), tps=(8,), batches=(1, 64), contexts=(8192, 32768), dcps=(1, 2, 4, 8))
+    df = pd.DataFrame({"executor": "stock", "layer": "mla_moe", "tp": 8, "dcp": f.dcp, "batch": f.batch,
+                       "context": f.context, "floor_us": f.floor_us_h200, "us_median": 1.5 * f.floor_us_h200,
+                       "us_p10": 1.4 * f.floor_us_h200, "us_p90": 1.6 * f.floor_us_h200, "check_ok": True})
+    ax = plots.plot_dcp_measured(df)
+    labels = ax.get_legend_handles_labels()[1]
+    assert len(labels) == 4 and "batch 64, context 32,768" in labels
+    assert [int(t) for t in ax.get_xticks()] == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="no timed rows"):
+        plots.plot_dcp_measured(df.drop(columns=["us_median"]))

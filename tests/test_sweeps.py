@@ -61,6 +61,11 @@ class _Run:
 def test_stock_configs_cover_the_issue_matrix():
     cfgs = stock_configs()
     assert len(cfgs) == 2 * 4 * (1 + 1 + 2)
-    assert {(k, t) for k, t, _ in cfgs} == {(k, t) for k in ("dense", "kda_moe", "mla_moe") for t in (8, 16)}
-    assert {s.batch for _, _, s in cfgs} == {1, 8, 32, 64}
-    assert {s.context_lens for k, _, s in cfgs if k == "mla_moe"} == {8192, 32768}
+    assert {(k, t) for k, t, _, _ in cfgs} == {(k, t) for k in ("dense", "kda_moe", "mla_moe") for t in (8, 16)}
+    assert {s.batch for _, _, s, _ in cfgs} == {1, 8, 32, 64}
+    assert {s.context_lens for k, _, s, _ in cfgs if k == "mla_moe"} == {8192, 32768}
+    assert {d for *_, d in cfgs} == {1}
+    # DCP multiplies the MLA configurations only (KDA layers keep their per-sequence state)
+    d = stock_configs(dcps=(1, 2, 4, 8))
+    assert len(d) == 2 * 4 * (1 + 1 + 2 * 4)
+    assert {k for k, _, _, dcp in d if dcp > 1} == {"mla_moe"}

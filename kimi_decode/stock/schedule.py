@@ -55,11 +55,25 @@ class _Ops:
         self.small, self.kda, self.mla, self.moe = triton_small, triton_kda, triton_mla, triton_moe
 
 
+ALLREDUCE_KINDS = ("nccl", "oneshot")
+
+
+def _check_oneshot(group, device) -> None:
+    """Refuse the one-shot all-reduce where it cannot run, before anything is built."""
+    if group is None:
+        raise ValueError("allreduce='oneshot' is a real collective: it needs group (the TP ranks' process group)")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"allreduce='oneshot' reads peers' symmetric memory over NVLink: it needs CUDA tensors, "
+                         f"got {device}")
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+        raise ValueError(f"this torch ({torch.__version__}) has no torch.ops.symm_mem.one_shot_all_reduce_out")
+
+
 class StockLayer:
     """One decode step of one layer on one rank, as stock vLLM launches it."""
 
     def __init__(self, weights: LayerWeights, state: DecodeState, seed: int = 0, build_ops: bool = True,
-                 kda_fused: bool | None = None, group=None, dcp_group=None):
+                 kda_fused: bool | None = None, group=None, dcp_group=None, allreduce: str = "nccl"):
         """kda_fused: None follows vLLM (the fused KDA op only for 12, 24, 48 or 96 local heads).
 
         group: a `torch.distributed` process group of the TP ranks. With it every all-reduce is a real
@@ -69,10 +83,20 @@ class StockLayer:
         dcp_group: with `weights.shard.dcp` > 1 on an MLA layer and a `group`, the process group of this
         rank's DCP ranks (size dcp, this rank at `shard.rank % dcp`): the query all-gather and the
         partials' exchange are real collectives. Without `group` they are emulated (module docstring).
+
+        allreduce: with `group`, "nccl" (`dist.all_reduce` in place) or "oneshot" (each partial is written to
+        symmetric memory and `torch.ops.symm_mem.one_shot_all_reduce_out` reads every peer's copy over
+        NVLink into a local result, what vLLM's custom all-reduce does for small decode tensors; CUDA only,
+        no multicast).
         """
+        if allreduce not in ALLREDUCE_KINDS:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
+        if allreduce == "oneshot":
+            _check_oneshot(group, state.carry.p.device)
         self.kda_fused = kda_fused
         self.group = group
         self.dcp_group = dcp_group
+        self.allreduce = allreduce
         dcp = weights.shard.dcp
         if dcp_group is not None and group is None:
             raise ValueError("dcp_group needs group (the TP ranks' process group) too")
@@ -110,6 +134,13 @@ class StockLayer:
         """[tp, n, width] all-reduce buffers: slot 0 is this rank's partial, the rest random peers."""
         tp = 1 if self.group is not None else self.shard.tp  # real collectives: only this rank's buffer
         bufs = torch.randn(tp, n, width, generator=self._gen).to(torch.bfloat16).to(self.device)
+        if self.group is not None and self.allreduce == "oneshot":  # the partial lives in symmetric memory
+            import torch.distributed._symmetric_memory as symm_mem
+
+            sym = symm_mem.empty((1, n, width), dtype=torch.bfloat16, device=self.device)
+            sym.copy_(bufs)
+            symm_mem.rendezvous(sym, self.group.group_name)
+            bufs = sym
         coef = torch.zeros(tp, dtype=torch.float32, device=self.device)
         coef[0] = 1.0
         return bufs, coef
@@ -222,17 +253,25 @@ class StockLayer:
         self.steps.append(self._gemm(f"{prefix}.o_proj", "o_proj GEMM (RowParallel)", y, o_proj, bufs[0]))
         return self._allreduce(f"{prefix}.allreduce", bufs, coef)
 
-    def _collective(self, label: str, vllm_op: str, buf: torch.Tensor) -> Launch:
+    def _collective(self, label: str, vllm_op: str, buf: torch.Tensor) -> tuple[Launch, torch.Tensor]:
+        """A real all-reduce of `buf`: (its launch, the tensor that holds the sum afterwards)."""
         import torch.distributed as dist
 
         group, n = self.group, _nbytes(buf)
+        if self.allreduce == "oneshot":
+            out = self._empty(*buf.shape, dtype=buf.dtype)
+            name, world = group.group_name, dist.get_world_size(group)
+            op = torch.ops.symm_mem.one_shot_all_reduce_out
+            return Launch(label, vllm_op.replace("real collective", "one-shot over peer memory"), "torch symm_mem",
+                          n * world, n, 0, run=lambda: op(buf, "sum", name, out)), out
         return Launch(label, vllm_op, "torch.distributed", n, n, 0,
-                      run=lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group))
+                      run=lambda: dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)), buf
 
     def _allreduce(self, label: str, bufs: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
-            self.steps.append(self._collective(label, "all-reduce (real collective)", bufs[0]))
-            return bufs[0]
+            launch, out = self._collective(label, "all-reduce (real collective)", bufs[0])
+            self.steps.append(launch)
+            return out
         tp, N, width = bufs.shape
         out = self._empty(N, width)
         ops = self.ops
@@ -490,20 +529,22 @@ class StockLayer:
                                  run=lambda: ops.moe.moe_topk_sum(lat0, y)))
         rh = self._empty(N, L)
         norm = w.norm
+        rms_in = lat_bufs
         if self.group is not None:  # a real all-reduce, then the RMSNorm (the reduce of one buffer)
-            self.steps.append(self._collective("moe.latent_allreduce", "latent all-reduce (real collective)", lat0))
+            launch, reduced = self._collective("moe.latent_allreduce", "latent all-reduce (real collective)", lat0)
+            self.steps.append(launch)
+            rms_in = reduced.unsqueeze(0)
             rms_label, rms_op = "moe.latent_rmsnorm", "RMSNorm of the reduced latent"
         else:
             rms_label, rms_op = "moe.allreduce_rmsnorm", "fused all-reduce + RMSNorm (flashinfer, emulated)"
         self.steps.append(Launch(rms_label, rms_op,
-                                 "Triton", _nbytes(lat_bufs, lat_coef, norm), _nbytes(rh), 0,
-                                 run=lambda: ops.small.allreduce_rmsnorm_emulated(rh, lat_bufs, lat_coef, norm,
+                                 "Triton", _nbytes(rms_in, lat_coef, norm), _nbytes(rh), 0,
+                                 run=lambda: ops.small.allreduce_rmsnorm_emulated(rh, rms_in, lat_coef, norm,
                                                                                   cfg.rms_norm_eps)))
         if self.group is not None:
-            sh_out = sh_bufs[0]
-            self.steps.append(Fork([self._collective("moe.shared_allreduce",
-                                                     "shared-expert all-reduce (aux stream, real collective)",
-                                                     sh_out)]))
+            launch, sh_out = self._collective("moe.shared_allreduce",
+                                              "shared-expert all-reduce (aux stream, real collective)", sh_bufs[0])
+            self.steps.append(Fork([launch]))
         else:
             sh_out = self._empty(N, d)
             self.steps.append(Fork([Launch("moe.shared_allreduce", "shared-expert all-reduce (aux stream, emulated)",
@@ -543,7 +584,7 @@ class StockMoEHalf(StockLayer):
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, group=None):
         if weights.moe is None:
             raise ValueError(f"StockMoEHalf needs an MoE layer, got {weights.kind!r}")
-        self.kda_fused, self.group = None, group
+        self.kda_fused, self.group, self.dcp_group, self.allreduce = None, group, None, "nccl"
         self.w, self.st = weights, None
         self.cfg, self.kind, self.shard = weights.cfg, weights.kind, weights.shard
         self.N = x.shape[0]
