@@ -47,6 +47,9 @@ class CompilePeer:
 
     def __init__(self, weights: LayerWeights, state: DecodeState, compile: bool = True,
                  mode: str = "max-autotune-no-cudagraphs"):
+        if weights.shard.dcp != 1 and weights.mla is not None:
+            raise ValueError(f"CompilePeer has no decode context parallel path (DCP{weights.shard.dcp}); "
+                             "the stock schedule has one")
         self.w, self.st = weights, state
         self.cfg = weights.cfg
         self.shape = state.shape
@@ -142,7 +145,7 @@ class CompilePeer:
         q = (qc @ w.q_b.t()).view(N, H, -1)
         q_lat = torch.einsum("nhd,hdl->nhl", q[..., :nope], w.W_UK_T)
         mqa_q = torch.cat([q_lat, q[..., nope:]], -1).view(B, T, H, -1)
-        flat = cache.kv.view(-1, cache.kv.shape[-1])
+        flat = cache.kv.view(-1, cache.kv.shape[-1])  # a whole cache (CompilePeer has no DCP path)
         flat.index_copy_(0, cache.slot_mapping(T), torch.cat([c, a[:, ql + kl:]], -1))
         Lmax = self.shape.max_context
         pos = torch.arange(Lmax, device=x.device)

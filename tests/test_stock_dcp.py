@@ -38,9 +38,9 @@ def _rank_partials(case, gathered, ctx, T, D, r, S):
 
 @pytest.mark.parametrize("D,HS,T,ctx,S", [
     (2, 4, 1, [0, 37, 130], 2),  # an empty context: rank 1 sees nothing for the first sequence
-    (4, 3, 3, [5, 64, 127], 3),  # speculative verify: causal within the step across ranks
+    (4, 3, 3, [5, 66], 2),  # speculative verify: causal within the step across ranks; a page boundary
     (2, 12, 2, [70, 3], 2),  # 24 gathered heads: two head groups per program row block
-    (8, 2, 1, [3, 200], 1),  # more ranks than context rows for the first sequence
+    (8, 1, 1, [3, 90], 1),  # more ranks than context rows for the first sequence
 ])
 def test_dcp_ranks_merge_to_the_whole_attention(D, HS, T, ctx, S):
     H = D * HS
@@ -89,6 +89,9 @@ def test_dcp_bad_inputs_raise():
     c = case["cache"]
     with pytest.raises(ValueError, match="dcp_rank"):
         tm.mla_decode_split_kv(o_part, lse_part, q, c.kv, c.block_table, c.context_lens, 1, dcp=2, dcp_rank=2)
+    with pytest.raises(ValueError, match="expected dcp=4"):
+        tm.mla_decode_split_kv(o_part, lse_part, q.view(2, 1, 1, LAT + PE), c.kv, c.block_table, c.context_lens, 1,
+                               dcp=4, dcp_rank=0)
     with pytest.raises(ValueError, match="o_ranks"):
         tm.mla_dcp_merge(_nan(2, 1, LAT, dtype=torch.bfloat16), torch.zeros(2, 2, LAT, device=DEV),
                          torch.zeros(2, 2, 1, device=DEV))

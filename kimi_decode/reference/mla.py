@@ -42,7 +42,10 @@ def query_and_latent(x: torch.Tensor, w: MLAWeights, cfg: KimiK3Config,
 
 
 def insert_rows(cache: MLAKVCache, rows: torch.Tensor, tokens_per_seq: int) -> MLAKVCache:
-    """Eq. 5 (cache half): write the step's rows at slot_mapping; returns a new cache."""
+    """Eq. 5 (cache half): write the step's rows at slot_mapping; returns a new cache (a whole cache: the
+    reference simulates DCP ranks from it, `kimi_decode.dcp`)."""
+    if cache.dcp != 1:
+        raise ValueError(f"insert_rows takes a whole cache, got one DCP rank's share (DCP{cache.dcp})")
     new = cache.clone()
     flat = new.kv.view(-1, new.kv.shape[-1])
     flat[cache.slot_mapping(tokens_per_seq)] = rows.to(flat.dtype)

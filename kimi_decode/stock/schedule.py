@@ -56,6 +56,7 @@ class _Ops:
 
 
 ALLREDUCE_KINDS = ("nccl", "oneshot")
+ROW_PAD = 8  # bf16 columns after each partial row of the DCP exchange: its fp32 log-sum-exp, then padding
 
 
 def _check_oneshot(group, device) -> None:
@@ -332,8 +333,8 @@ class StockLayer:
         scale = cfg.mla_softmax_scale
         self.steps.append(Launch("mla.decode", "MLA decode attention, split-KV (FlashMLA / FA-MLA)", "Triton",
                                  _nbytes(q_attn) + kv_rows * row + _nbytes(block_table, ctx), part_bytes,
-                                 sum(2 * Hq * -(-(c_ + t + 1) // dcp) * (2 * kl + r)
-                                     for c_ in self.shape.context_per_seq for t in range(T)),
+                                 sum(2 * Hq * max(0, (c_ + t - dr) // dcp + 1) * (2 * kl + r)
+                                     for c_ in self.shape.context_per_seq for t in range(T) if c_ + t >= dr),
                                  run=lambda: ops.mla.mla_decode_split_kv(o_part, lse, q_attn, cache.kv, block_table,
                                                                          ctx, T, scale, splits, dcp=dcp, dcp_rank=dr)))
         o_lat = self._empty(H, N, kl)
@@ -380,18 +381,20 @@ class StockLayer:
         rank holds all ranks' partials for its own heads (one all-to-all: the bytes of vLLM's reduce-scatter
         of the outputs plus its all-gather of the log-sum-exps), and merge them exactly.
 
-        The exchange buffer is bf16 [dcp, H, N, kl + 2]: slot s holds the partials for DCP rank s's heads,
-        each row the bf16 output then its fp32 log-sum-exp in the last two bf16 columns."""
+        The exchange buffer is bf16 [dcp, H, N, kl + 8]: slot s holds the partials for DCP rank s's heads,
+        each row the bf16 output, its fp32 log-sum-exp in bf16 columns kl, kl + 1, and padding to a 16-byte
+        row (1040 bytes at kl = 512) so the combine's stores and the merge's loads stay vectorised."""
         import torch.distributed as dist
 
         ops = self.ops
         dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
         H, N, kl = o_lat.shape
-        send = self._empty(dcp, H, N, kl + 2)
-        recv = self._empty(dcp, H, N, kl + 2)
+        row = kl + ROW_PAD
+        send = self._empty(dcp, H, N, row)
+        recv = self._empty(dcp, H, N, row)
 
         def split(buf):
-            flat = buf.view(dcp * H, N, kl + 2)
+            flat = buf.view(dcp * H, N, row)
             return flat[..., :kl], flat[..., kl:].view(torch.float32)[..., 0]
 
         o_send, lse_send = split(send)
@@ -407,7 +410,7 @@ class StockLayer:
         else:
             # emulated: the peers' partials for this rank's heads, filled once the step has run
             # (`_fill_dcp_peers`), so the merged result is the whole attention and checkable
-            peers = self._empty(dcp - 1, H, N, kl + 2)
+            peers = self._empty(dcp - 1, H, N, row)
             parts = [peers[:dr], send[dr:dr + 1], peers[dr:]]
             self.steps.append(Launch("mla.dcp_exchange", "DCP all-to-all of the partials and log-sum-exps "
                                      "(emulated on one GPU)", "torch", _nbytes(recv), _nbytes(recv), 0,

@@ -411,6 +411,7 @@ def mla_decode_split_kv(o_part: torch.Tensor, lse_part: torch.Tensor, mqa_q: tor
           f"tokens_per_seq must be a positive int, got {tokens_per_seq!r}")
     _need(isinstance(dcp, int) and dcp >= 1 and isinstance(dcp_rank, int) and 0 <= dcp_rank < dcp,
           f"need dcp >= 1 and 0 <= dcp_rank < dcp, got dcp={dcp!r}, dcp_rank={dcp_rank!r}")
+    _need(mqa_q.dim() == 3 or slots == dcp, f"gathered queries hold {slots} DCP ranks' heads, expected dcp={dcp}")
     _need(isinstance(block_table, torch.Tensor) and block_table.dim() == 2,
           "block_table must be a 2-d tensor [B, max_blocks]")
     B = block_table.shape[0]
