@@ -177,6 +177,43 @@ def plot_dcp_measured(df, ax=None, title: str | None = None):
     return ax
 
 
+def plot_collectives_vs_emulation(df, ax=None, title: str | None = None):
+    """One layer step on one rank with real collectives (one bar per all-reduce kind: NCCL, one-shot) beside the
+    single-GPU emulation of the same rank, from `python -m kimi_decode.multi_gpu` CSVs (median µs, p10–p90 on
+    the real ones). The gap is the emulation's error."""
+    import numpy as np
+
+    d = df if "dcp" in df.columns else df.assign(dcp=1)
+    keys = ["layer", "tp", "dcp", "batch", "processes"]
+    groups = d.groupby(keys, sort=False)
+    configs = list(groups.groups)
+    kinds = list(dict.fromkeys(d.collectives))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 1.6 + 0.3 * len(configs) * (len(kinds) + 1)))
+    y = np.arange(len(configs))
+    h = 0.8 / (len(kinds) + 1)
+    for i, kind in enumerate(kinds):
+        rows = [g[g.collectives == kind] for g in (groups.get_group(c) for c in configs)]
+        us = np.array([r.us_median.iloc[0] if len(r) else np.nan for r in rows])
+        lo = [u - r.us_p10.iloc[0] if len(r) else 0 for u, r in zip(us, rows)]
+        hi = [r.us_p90.iloc[0] - u if len(r) else 0 for u, r in zip(us, rows)]
+        ax.barh(y + i * h, us, h, xerr=[lo, hi], capsize=2, label=f"real collectives: {kind}")
+    emu = [groups.get_group(c).emulated_us_median.dropna() for c in configs]
+    ax.barh(y + len(kinds) * h, [e.iloc[0] if len(e) else np.nan for e in emu], h, color="0.6", hatch="//",
+            label="single-GPU emulation of the same rank")
+    ax.set_yticks(y + h * len(kinds) / 2,
+                  [f"{layer}, TP{tp} rank" + (f", DCP{dcp}" if dcp > 1 else "") + f", batch {b}, "
+                   f"{n} process{'es' if n > 1 else ''}" for layer, tp, dcp, b, n in configs])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per layer step (median of CUDA-graph replays; bars: p10–p90)")
+    gpu = d.gpu.iloc[0] if "gpu" in d.columns else "GPU"
+    ax.set_title(title or f"Real collectives against their single-GPU emulation ({gpu})", fontsize=10, pad=24)
+    ax.legend(fontsize=8, frameon=False, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=len(kinds) + 1)
+    ax.grid(axis="x", alpha=0.3)
+    ax.figure.tight_layout()
+    return ax
+
+
 # ------------------------------------------------------------ Nsight Compute profiles (kimi_decode.profile)
 
 

@@ -50,3 +50,14 @@ def test_dcp_plot_draws_one_line_and_floor_per_batch_and_context():
     assert [int(t) for t in ax.get_xticks()] == [1, 2, 4, 8]
     with pytest.raises(ValueError, match="no timed rows"):
         plots.plot_dcp_measured(df.drop(columns=["us_median"]))
+
+
+def test_collectives_plot_puts_each_real_run_beside_its_emulation():
+    df = measured.load("multi_gpu_dryrun_h200")
+    ax = plots.plot_collectives_vs_emulation(df)
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["real collectives: nccl", "single-GPU emulation of the same rank"]
+    ticks = [t.get_text() for t in ax.get_yticklabels()]
+    assert ticks == [f"{l}, TP8 rank, batch 1, 1 process" for l in df.layer]
+    widths = sorted(round(p.get_width(), 3) for p in ax.patches)
+    assert widths == sorted(round(v, 3) for v in [*df.us_median, *df.emulated_us_median])
