@@ -7,7 +7,6 @@ import json
 import sys
 
 from .config import LAYER_KINDS, DecodeShape, ShardSpec
-from .executors import EXECUTORS
 from .support import UnsupportedConfiguration, check_supported, describe_supported, support_matrix
 
 
@@ -84,6 +83,16 @@ def _cmd_inventory(args) -> int:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
+
+
+def _executor_name(text: str) -> str:
+    """argparse type of --executor: a known executor, or a fused one with @VARIANT (checked, no GPU needed)."""
+    from .executors import check_executor_name
+    try:
+        check_executor_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _cmd_sweep(args) -> int:
@@ -309,9 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "its ncu requirement is met, else the ncu CLI in a subprocess; clocks unlocked) "
                                    "and save profiles/<executor>/<layer>-tp<T>-b<B>[-ctx<C>]/ with the report, a "
                                    "CSV summary and provenance.")
-    p.add_argument("--executor", default="stock", choices=list(EXECUTORS),
-                   help="stock, compile: a whole layer; stock-moe, fused-moe, fused5-moe: the MoE half only; "
-                        "cute-kernels: the layer's stand-alone CuTe kernels (AttnRes, decode GEMVs)")
+    p.add_argument("--executor", default="stock", type=_executor_name,
+                   help="stock, compile: a whole layer; stock-moe, fused-moe, fused5-moe: the MoE half only "
+                        "(fused-moe@VARIANT: with the options of `moe --executors fused@VARIANT`, e.g. "
+                        "fused-moe@fring; saved under profiles/fused-moe.VARIANT/); cute-kernels: the layer's "
+                        "stand-alone CuTe kernels (AttnRes, decode GEMVs)")
     p.add_argument("--layer", required=True, choices=LAYER_KINDS)
     p.add_argument("--tp", type=int, default=8)
     _add_shape_args(p, context_default=8192)

@@ -134,9 +134,8 @@ class ProfileRequest:
 
         check_supported(layer=self.layer, tp=self.tp, batch=self.batch, tokens_per_seq=self.tokens,
                         context=self.context)
-        from .executors import EXECUTORS
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        from .executors import check_executor_name
+        check_executor_name(self.executor)
         if self.metric_set not in METRIC_SETS:
             raise ValueError(f"unknown metric set {self.metric_set!r}; known: {sorted(METRIC_SETS)}")
 
@@ -146,7 +145,8 @@ def profiles_root() -> Path:
 
 
 def profile_folder(req: ProfileRequest, root: Path | None = None) -> Path:
-    return (root or profiles_root()) / req.executor / req.folder_name()
+    """profiles/<executor>/<configuration>/; a variant's '@' becomes '.' (fused-moe@fring -> fused-moe.fring)."""
+    return (root or profiles_root()) / req.executor.replace("@", ".") / req.folder_name()
 
 
 # ------------------------------------------------------------------ backends

@@ -77,6 +77,7 @@ stage_cmd() {
     moe-breakdown-cand) echo "$KD moe --breakdown --executors fused,fused@cand0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_breakdown_cand_h200_tp8.csv" ;;
     moe-pdl) echo "$KD moe --executors stock,fused,fused-pdl,fused-nopdl --tps 8 --batches 1,2,3,4,6,8,17,64 --no-progress --out $M/moe_pdl_h200_tp8.csv" ;;
     moe-mtfit) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'fitted_m_tile' && $KD moe --executors stock,fused,fused@mtfit0 --tps 8 --batches 1,2,3,4,8 --no-progress --out $M/moe_mtfit_h200_tp8.csv" ;;
+    profile-fring) echo "$KD profile --executor fused-moe@fring --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe@fring --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'front_ring'" ;;
     profile-route-b8) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls --source 'route_kernel'" ;;
     mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;

@@ -157,3 +157,15 @@ def test_source_page_is_read_per_kernel_and_summed_by_opcode(tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="source page"):
         P.read_source_page(tmp_path / "bad.csv")
+
+
+def test_fused_variants_are_profiled_in_their_own_folder(tmp_path):
+    """fused-moe@VARIANT: checked before any GPU work, saved beside the default under fused-moe.VARIANT/."""
+    from kimi_decode.executors import check_executor_name
+    req = P.ProfileRequest(executor="fused-moe@fring", layer="kda_moe", batch=1)
+    req.check()
+    assert P.profile_folder(req, tmp_path) == tmp_path / "fused-moe.fring" / "kda_moe-tp8-b1"
+    for bad, why in (("stock@fring", "optionally with @VARIANT"), ("fused-moe@nonsense", "variant"),
+                     ("fused@fring", "executor must be one of")):
+        with pytest.raises(ValueError, match=why):
+            check_executor_name(bad)
