@@ -193,3 +193,16 @@ def test_oneshot_allreduce_is_refused_where_it_cannot_run(tmp_path):
     if not torch.cuda.is_available():
         _spawn(_oneshot_worker, 2, tmp_path)
         assert "needs CUDA tensors" in torch.load(tmp_path / "oneshot0.pt")
+
+
+def test_no_code_reaches_for_nvlink_multicast():
+    """Multicast stays off by construction too: no multimem instruction, multicast object or multimem / two-shot
+    symmetric-memory collective anywhere in the package or its scripts (the one-shot all-reduce reads peers'
+    buffers with ordinary loads)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    banned = ("multimem", "cuMulticast", "two_shot_all_reduce")
+    for path in [*root.joinpath("kimi_decode").rglob("*.py"), *root.joinpath("scripts").rglob("*")]:
+        if path.is_file():
+            text = path.read_text(errors="ignore")
+            assert not [b for b in banned if b in text], path
