@@ -41,6 +41,7 @@ def _rank_partials(case, gathered, ctx, T, D, r, S):
     (4, 3, 3, [5, 66], 2),  # speculative verify: causal within the step across ranks; a page boundary
     (2, 12, 2, [70, 3], 2),  # 24 gathered heads: two head groups per program row block
     (8, 1, 1, [3, 90], 1),  # more ranks than context rows for the first sequence
+    (8, 12, 1, [70], 1),  # TP8 ranks' 12 heads at DCP 8: 96 gathered heads in 6 groups of 16
 ])
 def test_dcp_ranks_merge_to_the_whole_attention(D, HS, T, ctx, S):
     H = D * HS
