@@ -83,7 +83,7 @@ stage_cmd() {
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
     profile-fused) echo "for b in 1 8 64; do $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done; for b in 1 8; do $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
-    dcp-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_dcp.py tests/test_stock_triton_mla.py tests/test_distributed.py" ;;
+    dcp-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_dcp.py tests/test_stock_triton_mla.py" ;;
     dcp-sweep) echo "$KD sweep --executor stock --tps 8 --layers mla_moe --batches 1,8,64 --contexts 8192,32768 --dcps 1,2,4,8 --no-progress --out $M/stock_dcp_h200_tp8.csv" ;;
     dcp-check-verify) echo "$KD sweep --executor stock --check-only --tps 8,16 --layers mla_moe --batches 1,17,64 --contexts 8192 --tokens 1,4,8 --dcps 2,8 --no-progress --out $M/stock_dcp_h200_check_verify.csv" ;;
     multi-gpu) echo "G=\$(nvidia-smi -L | wc -l); D=\$($PY -c \"import sys; g=int(sys.argv[1]); print(','.join(str(d) for d in (1,2,4,8) if g % d == 0))\" \$G); $PY -m kimi_decode.multi_gpu --gpus \$G --shard-tp 8 --layers kda_moe,mla_moe,dense --batches 1,64 --dcps \$D --allreduce nccl,oneshot --out $M/multi_gpu_h200_\${G}gpus.csv" ;;
