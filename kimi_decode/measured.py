@@ -57,15 +57,18 @@ def markdown_table(df: pd.DataFrame, columns: list[str] | None = None, digits: i
 
 
 RESULT_COLUMNS = {
-    "stock": ["executor", "layer", "tp", "batch", "context", "us_median", "us_p10", "us_p90", "kernels_measured",
+    "stock": ["executor", "layer", "tp", "dcp", "batch", "context", "us_median", "us_p10", "us_p90", "kernels_measured",
               "launches_measured", "kernels_inventory", "achieved_GBps", "floor_us", "fraction_of_floor", "check_ok"],
-    "check": ["executor", "layer", "tp", "batch", "tokens_per_seq", "context", "check_ok", "err_vs_fp32", "err_bound",
+    "check": ["executor", "layer", "tp", "dcp", "batch", "tokens_per_seq", "context", "check_ok", "err_vs_fp32", "err_bound",
               "routing_flips", "active_experts"],
     "moe": ["executor", "tp", "batch", "tokens_per_seq", "us_median", "us_p10", "us_p90", "kernels_measured",
             "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
     "breakdown": ["executor", "batch", "launch", "label", "prefix_us", "prefix_p10", "prefix_p90", "added_us",
                   "GBps_of_added"],
     "mma_rate": ["warps", "chains", "decode", "cycles_per_mma", "clock_GHz", "moe_up_item_cycles_if_mma_bound"],
+    "collectives": ["layer", "tp", "dcp", "processes", "batch", "collectives", "ranks_agree", "all_written",
+                    "rel_err_vs_dcp1", "us_median", "us_p10", "us_p90", "kernels_measured", "emulated_us_median",
+                    "emulation_error", "floor_us_h200"],
 }
 
 
@@ -77,6 +80,8 @@ def results_markdown(name: str, kind: str | None = None) -> str:
             kind = "breakdown"
         elif "cycles_per_mma" in df.columns:
             kind = "mma_rate"
+        elif "emulated_us_median" in df.columns:
+            kind = "collectives"
         else:
             kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
     if kind not in RESULT_COLUMNS:
