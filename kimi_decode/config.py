@@ -324,6 +324,11 @@ class ShardSpec:
     def with_rank(self, rank: int) -> "ShardSpec":
         return dataclasses.replace(self, rank=rank)
 
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's place in its DCP group: the groups are consecutive blocks of `dcp` TP ranks."""
+        return self.rank % self.dcp
+
     def all_ranks(self) -> list["ShardSpec"]:
         return [self.with_rank(r) for r in range(self.tp)]
 

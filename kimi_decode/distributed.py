@@ -43,7 +43,7 @@ def init(rank: int, world_size: int, init_method: str, backend: str | None = Non
 
 def dcp_groups(dcp: int, group=None):
     """This rank's DCP process group: consecutive blocks of `dcp` ranks of the TP group (TP ranks
-    k·dcp .. k·dcp + dcp − 1 shard the latent cache of the heads they gather; DCP rank = TP rank % dcp).
+    k·dcp .. k·dcp + dcp − 1 shard the latent cache of the heads they gather; DCP rank = `ShardSpec.dcp_rank`).
     Every rank must call this (it creates every block's group); None for dcp 1."""
     if dcp == 1:
         return None

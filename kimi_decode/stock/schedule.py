@@ -59,6 +59,11 @@ ALLREDUCE_KINDS = ("nccl", "oneshot")
 ROW_PAD = 8  # bf16 columns after each partial row of the DCP exchange: its fp32 log-sum-exp, then padding
 
 
+def _partial_views(buf: torch.Tensor, kl: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs [..., kl] bf16, log-sum-exps [...] fp32) of a DCP exchange buffer [..., kl + ROW_PAD]."""
+    return buf[..., :kl], buf[..., kl:].view(torch.float32)[..., 0]
+
+
 def _check_oneshot(group, device) -> None:
     """Refuse the one-shot all-reduce where it cannot run, before anything is built."""
     if group is None:
@@ -82,7 +87,7 @@ class StockLayer:
         followed by a separate RMSNorm launch); without it they are emulated on one GPU.
 
         dcp_group: with `weights.shard.dcp` > 1 on an MLA layer and a `group`, the process group of this
-        rank's DCP ranks (size dcp, this rank at `shard.rank % dcp`): the query all-gather and the
+        rank's DCP ranks (size dcp, this rank at `shard.dcp_rank`): the query all-gather and the
         partials' exchange are real collectives. Without `group` they are emulated (module docstring).
 
         allreduce: with `group`, "nccl" (`dist.all_reduce` in place) or "oneshot" (each partial is written to
@@ -98,6 +103,7 @@ class StockLayer:
         self.group = group
         self.dcp_group = dcp_group
         self.allreduce = allreduce
+        self._dcp_peers = None  # emulated DCP: the peers' exchange slots (`_dcp_combine_exchange_merge`)
         dcp = weights.shard.dcp
         if dcp_group is not None and group is None:
             raise ValueError("dcp_group needs group (the TP ranks' process group) too")
@@ -105,10 +111,10 @@ class StockLayer:
             import torch.distributed as dist
             if dcp_group is None:
                 raise ValueError(f"DCP{dcp} with real collectives needs dcp_group (the process group of the DCP ranks)")
-            if dist.get_world_size(dcp_group) != dcp or dist.get_rank(dcp_group) != weights.shard.rank % dcp:
+            if dist.get_world_size(dcp_group) != dcp or dist.get_rank(dcp_group) != weights.shard.dcp_rank:
                 raise ValueError(f"dcp_group has size {dist.get_world_size(dcp_group)} and this rank at "
                                  f"{dist.get_rank(dcp_group)}; DCP{dcp} TP rank {weights.shard.rank} needs size {dcp}, "
-                                 f"rank {weights.shard.rank % dcp}")
+                                 f"rank {weights.shard.dcp_rank}")
         self.w, self.st = weights, state
         self.cfg, self.kind, self.shard = weights.cfg, weights.kind, weights.shard
         self.shape: DecodeShape = state.shape
@@ -120,7 +126,7 @@ class StockLayer:
         self.buffers: dict[str, torch.Tensor] = {}  # named intermediates, for inspection
         self._build()
         self.executor = Executor(self.steps, self.device)
-        if getattr(self, "_dcp_peers", None) is not None and self.device.type != "meta":
+        if self._dcp_peers is not None and self.device.type != "meta":
             self._fill_dcp_peers()
 
     # ------------------------------------------------------------------ utils
@@ -310,7 +316,7 @@ class StockLayer:
         dcp = self.shard.dcp
         if dcp > 1:  # this rank's share of the latent cache: the positions τ ≡ rank (mod dcp)
             from ..dcp import shard_cache
-            cache = shard_cache(cache, self.shape.context_per_seq, T, dcp, self.shard.rank % dcp)
+            cache = shard_cache(cache, self.shape.context_per_seq, T, dcp, self.shard.dcp_rank)
         self.mla_cache = cache
         slot_mapping = cache.slot_mapping(T)
         k_pe = a[:, ql + kl:]
@@ -327,7 +333,7 @@ class StockLayer:
         o_part, lse = ops.mla.split_kv_scratch(N, Hq, splits, self.device, d_lat=kl) if ops else (None, None)
         block_table = cache.block_table
         ctx = cache.context_lens
-        dr = self.shard.rank % dcp
+        dr = self.shard.dcp_rank
         kv_rows = sum(max(0, -(-(c_ + T - dr) // dcp)) for c_ in self.shape.context_per_seq)
         part_bytes = (N * Hq * splits * (kl + 1)) * FP32
         scale = cfg.mla_softmax_scale
@@ -359,7 +365,7 @@ class StockLayer:
         the decode queries over the DCP group before attention."""
         import torch.distributed as dist
 
-        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        dcp, dr = self.shard.dcp, self.shard.dcp_rank
         q_all = self._empty(dcp, *mqa_q.shape)
         if self.group is not None:
             g = self.dcp_group
@@ -387,17 +393,12 @@ class StockLayer:
         import torch.distributed as dist
 
         ops = self.ops
-        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        dcp, dr = self.shard.dcp, self.shard.dcp_rank
         H, N, kl = o_lat.shape
         row = kl + ROW_PAD
         send = self._empty(dcp, H, N, row)
         recv = self._empty(dcp, H, N, row)
-
-        def split(buf):
-            flat = buf.view(dcp * H, N, row)
-            return flat[..., :kl], flat[..., kl:].view(torch.float32)[..., 0]
-
-        o_send, lse_send = split(send)
+        o_send, lse_send = _partial_views(send.view(dcp * H, N, row), kl)  # all gathered heads, for the combine
         self.steps.append(Launch("mla.decode_combine", "split-KV combine with log-sum-exp (DCP partials)", "Triton",
                                  part_bytes, _nbytes(send), 0,
                                  run=lambda: ops.mla.mla_decode_combine(o_send, o_part, lse, lse_out=lse_send)))
@@ -406,7 +407,6 @@ class StockLayer:
             self.steps.append(Launch("mla.dcp_exchange", "DCP all-to-all of the partials and log-sum-exps "
                                      "(real collective)", "torch.distributed", _nbytes(send), _nbytes(recv), 0,
                                      run=lambda: dist.all_to_all_single(recv, send, group=g)))
-            self._dcp_peers = None
         else:
             # emulated: the peers' partials for this rank's heads, filled once the step has run
             # (`_fill_dcp_peers`), so the merged result is the whole attention and checkable
@@ -416,8 +416,7 @@ class StockLayer:
                                      "(emulated on one GPU)", "torch", _nbytes(recv), _nbytes(recv), 0,
                                      run=lambda: torch.cat(parts, out=recv)))
             self._dcp_peers = peers
-        o_ranks = recv[..., :kl]
-        lse_ranks = recv[..., kl:].view(torch.float32)[..., 0]
+        o_ranks, lse_ranks = _partial_views(recv, kl)
         self.steps.append(Launch("mla.dcp_merge", "DCP log-sum-exp merge of the ranks' partials", "Triton",
                                  _nbytes(recv), _nbytes(o_lat), 0,
                                  run=lambda: ops.mla.mla_dcp_merge(o_lat, o_ranks, lse_ranks)))
@@ -441,12 +440,12 @@ class StockLayer:
         for t, copy in saved:
             t.copy_(copy)
         cache = self.st.mla  # the whole cache: every position's rows
-        dcp, dr = self.shard.dcp, self.shard.rank % self.shard.dcp
+        dcp, dr = self.shard.dcp, self.shard.dcp_rank
         T, kl = self.shape.tokens_per_seq, self.cfg.kv_lora_rank
         m = self._mla_step
         new_rows = torch.cat([m["c"], m["k_pe"]], -1)  # the step's rows [N, 576]
         peers = self._dcp_peers
-        o_v, lse_v = peers[..., :kl], peers[..., kl:].view(torch.float32)[..., 0]
+        o_v, lse_v = _partial_views(peers, kl)
         for b, ctx in enumerate(self.shape.context_per_seq):
             rows = torch.cat([cache.gather(b, ctx), new_rows[b * T:(b + 1) * T]])
             for s in range(dcp):
@@ -454,9 +453,10 @@ class StockLayer:
                     continue
                 j = s if s < dr else s - 1
                 pos = owned_positions(ctx + T, dcp, s, device=rows.device)
+                mine = rows[pos]  # rank s's rows, gathered once for the step's tokens
                 for t in range(T):
                     i = b * T + t
-                    o, lse = partial_attention(m["mqa_q"][i], rows[pos], pos, ctx + t, self.cfg.mla_softmax_scale, kl)
+                    o, lse = partial_attention(m["mqa_q"][i], mine, pos, ctx + t, self.cfg.mla_softmax_scale, kl)
                     o_v[j, :, i] = o.to(o_v.dtype)
                     lse_v[j, :, i] = lse
 
