@@ -20,81 +20,84 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 PY=${PYTHON:-python3}
 KD="$PY -m kimi_decode.cli"
 M=data/measured/incoming
+# File names carry the card that made them (h200, h100, ...): timings from different cards are never mixed.
+GT=${GPU_TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | grep -oiE 'h[0-9]{3}|a100|b200|l40s?' | head -n1 | tr 'A-Z' 'a-z')}
+GT=${GT:-gpu}
 
 stage_cmd() {
   case "$1" in
     env) echo "nvidia-smi; ncu --version; readlink -f \$(which ncu); ls -d /opt/nvidia/nsight-compute/*/extras/python /usr/local/cuda*/nsight-compute*/extras/python 2>/dev/null; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'" ;;
     tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_schedule.py tests/test_bench_graph.py tests/test_sweeps.py tests/test_stock_triton_small.py tests/test_stock_triton_kda.py tests/test_stock_triton_mla.py tests/test_stock_triton_moe.py tests/test_compile_peer.py" ;;
     bench-graph-test) echo "$PY -m pytest -q -p no:cacheprovider tests/test_bench_graph.py" ;;
-    sweep-tp8) echo "$KD sweep --executor stock --tps 8 --no-progress --out $M/stock_h200_tp8.csv" ;;
-    sweep-tp16) echo "$KD sweep --executor stock --tps 16 --no-progress --out $M/stock_h200_tp16.csv" ;;
-    check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 4,8 --no-progress --out $M/stock_h200_check_verify.csv" ;;
-    compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_h200_tp8.csv" ;;
-    compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_h200_tp16.csv" ;;
+    sweep-tp8) echo "$KD sweep --executor stock --tps 8 --no-progress --out $M/stock_$GT_tp8.csv" ;;
+    sweep-tp16) echo "$KD sweep --executor stock --tps 16 --no-progress --out $M/stock_$GT_tp16.csv" ;;
+    check-verify) echo "$KD sweep --executor stock --check-only --tps 8 --layers kda_moe,mla_moe --batches 1,8,64 --contexts 8192 --tokens 4,8 --no-progress --out $M/stock_$GT_check_verify.csv" ;;
+    compile-tp8) echo "$KD sweep --executor compile --tps 8 --no-progress --out $M/compile_$GT_tp8.csv" ;;
+    compile-tp16) echo "$KD sweep --executor compile --tps 16 --no-progress --out $M/compile_$GT_tp16.csv" ;;
     fused-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_kernels_gemv.py" ;;
-    moe-bench) echo "$KD moe --executors stock,fused,fused@cand0,fused@run35,fused-pdl,fused-nopdl,fused-direct,fused-pipeup,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8.csv" ;;
-    moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_h200_tp8.csv" ;;
-    moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_h200_tp8.csv.xz" ;;
-    moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_h200_tp8.csv" ;;
-    moe-early) echo "$KD moe --executors stock,fused,fused@downearly0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_early_h200_tp8.csv && $KD moe --trace --executors fused@downearly0 --tps 8 --batches 1 --no-progress --out $M/moe_trace_downearly0_h200_tp8.csv.xz" ;;
-    moe-items) echo "$KD moe --executors stock,fused,fused@late0,fused@upw28,fused@dec2,fused@pad,fused@downk2,fused@upw28-dec2-downk2,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_items_h200_tp8.csv && $KD moe --trace --executors fused@upw28-dec2-pad-downk2 --tps 8 --batches 1 --no-progress --out $M/moe_trace_items_h200_tp8.csv.xz" ;;
-    moe-breakdown-items) echo "$KD moe --breakdown --executors fused,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_items_h200_tp8.csv" ;;
+    moe-bench) echo "$KD moe --executors stock,fused,fused@cand0,fused@run35,fused-pdl,fused-nopdl,fused-direct,fused-pipeup,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_$GT_tp8.csv" ;;
+    moe-tune) echo "$KD moe --executors fused-direct,fused-direct@w4r1-w4r4e4s4,fused-direct@w8r1-w4r4e4s4,fused-direct@w8r2-w4r4e4s4,fused-direct@w4r2-w4r4e2s8,fused-direct@w4r2-w4r8e4s4,fused-direct@w4r2-w4r8e2s8,fused-direct@w4r2-w8r4e4s4,fused-direct@w4r2-w4r16e2s4 --tps 8 --batches 1,8 --no-progress --out $M/moe_tuning_$GT_tp8.csv" ;;
+    moe-trace) echo "$KD moe --trace --executors fused --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_$GT_tp8.csv.xz" ;;
+    moe-ablation) echo "$KD moe --executors stock,fused,fused@run17,fused@pro0,fused@epi0,fused@prod0,fused@swap0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_ablation_$GT_tp8.csv" ;;
+    moe-early) echo "$KD moe --executors stock,fused,fused@downearly0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_early_$GT_tp8.csv && $KD moe --trace --executors fused@downearly0 --tps 8 --batches 1 --no-progress --out $M/moe_trace_downearly0_$GT_tp8.csv.xz" ;;
+    moe-items) echo "$KD moe --executors stock,fused,fused@late0,fused@upw28,fused@dec2,fused@pad,fused@downk2,fused@upw28-dec2-downk2,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_items_$GT_tp8.csv && $KD moe --trace --executors fused@upw28-dec2-pad-downk2 --tps 8 --batches 1 --no-progress --out $M/moe_trace_items_$GT_tp8.csv.xz" ;;
+    moe-breakdown-items) echo "$KD moe --breakdown --executors fused,fused@upw28-dec2-pad-downk2 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_items_$GT_tp8.csv" ;;
     fused-variant-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match'" ;;
-    moe-warps) echo "$KD moe --executors stock,fused,fused@upw16,fused@run24 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_warps_h200_tp8.csv" ;;
-    moe-bal) echo "$KD moe --executors stock,fused,fused@bal --tps 8 --batches 1,2,8 --no-progress --out $M/moe_bal_h200_tp8.csv" ;;
-    moe-breakdown-bal) echo "$KD moe --breakdown --executors fused,fused@bal --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_bal_h200_tp8.csv" ;;
+    moe-warps) echo "$KD moe --executors stock,fused,fused@upw16,fused@run24 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_warps_$GT_tp8.csv" ;;
+    moe-bal) echo "$KD moe --executors stock,fused,fused@bal --tps 8 --batches 1,2,8 --no-progress --out $M/moe_bal_$GT_tp8.csv" ;;
+    moe-breakdown-bal) echo "$KD moe --breakdown --executors fused,fused@bal --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_bal_$GT_tp8.csv" ;;
     trace-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_moe_trace.py" ;;
-    moe-breakdown-run24) echo "$KD moe --breakdown --executors fused,fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run24_h200_tp8.csv" ;;
-    moe-trace-run24) echo "$KD moe --trace --executors fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_run24_h200_tp8.csv.xz" ;;
-    moe-breakdown-run35) echo "$KD moe --breakdown --executors fused,fused@run35 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run35_h200_tp8.csv" ;;
-    moe-breakdown-run27) echo "$KD moe --breakdown --executors fused,fused@run27 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run27_h200_tp8.csv" ;;
-    moe-breakdown-run20) echo "$KD moe --breakdown --executors fused,fused@run20 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run20_h200_tp8.csv" ;;
-    moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_h200_tp8.csv" ;;
-    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_h200_tp8.csv" ;;
-    moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp8_v3.csv" ;;
+    moe-breakdown-run24) echo "$KD moe --breakdown --executors fused,fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run24_$GT_tp8.csv" ;;
+    moe-trace-run24) echo "$KD moe --trace --executors fused@run24 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_run24_$GT_tp8.csv.xz" ;;
+    moe-breakdown-run35) echo "$KD moe --breakdown --executors fused,fused@run35 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run35_$GT_tp8.csv" ;;
+    moe-breakdown-run27) echo "$KD moe --breakdown --executors fused,fused@run27 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run27_$GT_tp8.csv" ;;
+    moe-breakdown-run20) echo "$KD moe --breakdown --executors fused,fused@run20 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run20_$GT_tp8.csv" ;;
+    moe-breakdown-run17) echo "$KD moe --breakdown --executors fused,fused@run17 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_run17_$GT_tp8.csv" ;;
+    moe-breakdown) echo "$KD moe --breakdown --executors stock,fused,fused-direct,fused5 --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_$GT_tp8.csv" ;;
+    moe-bench5) echo "$KD moe --executors stock,fused,fused5 --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_$GT_tp8_v3.csv" ;;
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;
-    moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_h200_tp16.csv" ;;
-    moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8,17,64 --tokens 1,4,8 --no-progress --out $M/moe_half_h200_check_verify.csv" ;;
+    moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_$GT_tp16.csv" ;;
+    moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8,17,64 --tokens 1,4,8 --no-progress --out $M/moe_half_$GT_check_verify.csv" ;;
     profile-stalls) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'up_kernel|down_kernel' && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls" ;;
-    moe-spread) echo "$KD moe --executors stock,fused,fused@dec3,fused@zlast,fused@dec3-zlast --tps 8 --batches 1,2,8 --no-progress --out $M/moe_spread_h200_tp8.csv && $KD moe --trace --executors fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_spread_h200_tp8.csv.xz" ;;
-    moe-breakdown-spread) echo "$KD moe --breakdown --executors fused,fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_spread_h200_tp8.csv" ;;
+    moe-spread) echo "$KD moe --executors stock,fused,fused@dec3,fused@zlast,fused@dec3-zlast --tps 8 --batches 1,2,8 --no-progress --out $M/moe_spread_$GT_tp8.csv && $KD moe --trace --executors fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_spread_$GT_tp8.csv.xz" ;;
+    moe-breakdown-spread) echo "$KD moe --breakdown --executors fused,fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_spread_$GT_tp8.csv" ;;
     fused-spread-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (dec3 or zlast or None)'; $PY -m pytest -q -p no:cacheprovider tests/test_mma_rate.py" ;;
-    moe-f16) echo "$KD moe --executors stock,fused,fused@f16,fused@pair,fused@f16-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_f16_h200_tp8.csv && $KD moe --trace --executors fused@f16 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_f16_h200_tp8.csv.xz" ;;
+    moe-f16) echo "$KD moe --executors stock,fused,fused@f16,fused@pair,fused@f16-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_f16_$GT_tp8.csv && $KD moe --trace --executors fused@f16 --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_f16_$GT_tp8.csv.xz" ;;
     fused-opt-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (f16 or pair or lazy or zswz or None)'" ;;
-    moe-zswz) echo "$KD moe --executors stock,fused,fused@zswz,fused@f16,fused@zswz-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_zswz_h200_tp8.csv && $KD moe --check-only --executors fused@zswz,fused@f16 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_zswz_h200_check_verify.csv && $KD moe --trace --executors fused@zswz --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_zswz_h200_tp8.csv.xz" ;;
-    moe-lazy) echo "$KD moe --executors stock,fused,fused@pair,fused@lazy,fused@pair-lazy --tps 8 --batches 1,2,8 --no-progress --out $M/moe_lazy_h200_tp8.csv && $KD moe --trace --executors fused@pair-lazy --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_lazy_h200_tp8.csv.xz" ;;
+    moe-zswz) echo "$KD moe --executors stock,fused,fused@zswz,fused@f16,fused@zswz-pair --tps 8 --batches 1,2,8 --no-progress --out $M/moe_zswz_$GT_tp8.csv && $KD moe --check-only --executors fused@zswz,fused@f16 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_zswz_$GT_check_verify.csv && $KD moe --trace --executors fused@zswz --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_zswz_$GT_tp8.csv.xz" ;;
+    moe-lazy) echo "$KD moe --executors stock,fused,fused@pair,fused@lazy,fused@pair-lazy --tps 8 --batches 1,2,8 --no-progress --out $M/moe_lazy_$GT_tp8.csv && $KD moe --trace --executors fused@pair-lazy --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_lazy_$GT_tp8.csv.xz" ;;
     fused-fw-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (fence0 or fwarp or None)'" ;;
-    moe-fwarp) echo "$KD moe --executors stock,fused,fused@fence0,fused@fwarp,fused@fence0-fwarp --tps 8 --batches 1,2,8 --no-progress --out $M/moe_fwarp_h200_tp8.csv && $KD moe --check-only --executors fused@fence0,fused@fwarp,fused@fence0-fwarp --tps 8 --batches 1,2,8,17 --tokens 1,4,8 --no-progress --out $M/moe_fwarp_h200_check_verify.csv" ;;
-    moe-trace-fwarp) echo "$KD moe --trace --executors fused@fwarp --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_fwarp_h200_tp8.csv.xz" ;;
-    moe-breakdown-fwarp) echo "$KD moe --breakdown --executors fused,fused@fence0-fwarp --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_fwarp_h200_tp8.csv" ;;
-    moe-spin) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (spin or None)' && $KD moe --executors stock,fused,fused@spin,fused@upspin --tps 8 --batches 1,2,8 --no-progress --out $M/moe_spin_h200_tp8.csv && $KD moe --check-only --executors fused@spin --tps 8 --batches 1,2,8,17 --tokens 1,4,8 --no-progress --out $M/moe_spin_h200_check_verify.csv && $KD moe --trace --executors fused@spin --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_spin_h200_tp8.csv.xz" ;;
-    moe-upst5) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (upst5 or None)' && $KD moe --executors stock,fused,fused@upst5-upmax4 --tps 8 --batches 1,2,4 --no-progress --out $M/moe_upst5_h200_tp8.csv && $KD moe --check-only --executors fused@upst5-upmax4 --tps 8 --batches 1,2,4 --tokens 1 --no-progress --out $M/moe_upst5_h200_check_verify.csv && $KD moe --trace --executors fused@upst5-upmax4 --tps 8 --batches 1,2 --no-progress --out $M/moe_trace_upst5_h200_tp8.csv.xz" ;;
-    moe-focc) echo "$KD moe --executors stock,fused,fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_focc_h200_tp8.csv && $KD moe --check-only --executors fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_focc_h200_check_verify.csv" ;;
-    moe-run49) echo "$KD moe --executors stock,fused,fused@skeys,fused@tring0,fused@skeys-tring0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_run49_h200_tp8.csv && $KD moe --breakdown --executors fused,fused@skeys-tring0 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_run49_h200_tp8.csv" ;;
-    moe-fring) echo "$KD moe --executors stock,fused,fused@fring,fused@tring0,fused@fring-tring0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_fring_h200_tp8.csv && $KD moe --breakdown --executors fused,fused@fring --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_fring_h200_tp8.csv" ;;
-    moe-breakdown-focc) echo "$KD moe --breakdown --executors fused,fused@focc12 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_focc_h200_tp8.csv" ;;
-    moe-cand) echo "$KD moe --executors stock,fused,fused@cand0 --tps 8 --batches 1,2,4,8 --no-progress --out $M/moe_cand_h200_tp8.csv" ;;
-    moe-breakdown-cand) echo "$KD moe --breakdown --executors fused,fused@cand0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_breakdown_cand_h200_tp8.csv" ;;
-    moe-pdl) echo "$KD moe --executors stock,fused,fused-pdl,fused-nopdl --tps 8 --batches 1,2,3,4,6,8,17,64 --no-progress --out $M/moe_pdl_h200_tp8.csv" ;;
-    moe-mtfit) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'fitted_m_tile' && $KD moe --executors stock,fused,fused@mtfit0 --tps 8 --batches 1,2,3,4,8 --no-progress --out $M/moe_mtfit_h200_tp8.csv" ;;
+    moe-fwarp) echo "$KD moe --executors stock,fused,fused@fence0,fused@fwarp,fused@fence0-fwarp --tps 8 --batches 1,2,8 --no-progress --out $M/moe_fwarp_$GT_tp8.csv && $KD moe --check-only --executors fused@fence0,fused@fwarp,fused@fence0-fwarp --tps 8 --batches 1,2,8,17 --tokens 1,4,8 --no-progress --out $M/moe_fwarp_$GT_check_verify.csv" ;;
+    moe-trace-fwarp) echo "$KD moe --trace --executors fused@fwarp --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_fwarp_$GT_tp8.csv.xz" ;;
+    moe-breakdown-fwarp) echo "$KD moe --breakdown --executors fused,fused@fence0-fwarp --tps 8 --batches 1,8 --no-progress --out $M/moe_breakdown_fwarp_$GT_tp8.csv" ;;
+    moe-spin) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (spin or None)' && $KD moe --executors stock,fused,fused@spin,fused@upspin --tps 8 --batches 1,2,8 --no-progress --out $M/moe_spin_$GT_tp8.csv && $KD moe --check-only --executors fused@spin --tps 8 --batches 1,2,8,17 --tokens 1,4,8 --no-progress --out $M/moe_spin_$GT_check_verify.csv && $KD moe --trace --executors fused@spin --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_spin_$GT_tp8.csv.xz" ;;
+    moe-upst5) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'variants_match and (upst5 or None)' && $KD moe --executors stock,fused,fused@upst5-upmax4 --tps 8 --batches 1,2,4 --no-progress --out $M/moe_upst5_$GT_tp8.csv && $KD moe --check-only --executors fused@upst5-upmax4 --tps 8 --batches 1,2,4 --tokens 1 --no-progress --out $M/moe_upst5_$GT_check_verify.csv && $KD moe --trace --executors fused@upst5-upmax4 --tps 8 --batches 1,2 --no-progress --out $M/moe_trace_upst5_$GT_tp8.csv.xz" ;;
+    moe-focc) echo "$KD moe --executors stock,fused,fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_focc_$GT_tp8.csv && $KD moe --check-only --executors fused@focc12,fused@focc8 --tps 8 --batches 1,2,8 --tokens 1,4,8 --no-progress --out $M/moe_focc_$GT_check_verify.csv" ;;
+    moe-run49) echo "$KD moe --executors stock,fused,fused@skeys,fused@tring0,fused@skeys-tring0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_run49_$GT_tp8.csv && $KD moe --breakdown --executors fused,fused@skeys-tring0 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_run49_$GT_tp8.csv" ;;
+    moe-fring) echo "$KD moe --executors stock,fused,fused@fring,fused@tring0,fused@fring-tring0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_fring_$GT_tp8.csv && $KD moe --breakdown --executors fused,fused@fring --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_fring_$GT_tp8.csv" ;;
+    moe-breakdown-focc) echo "$KD moe --breakdown --executors fused,fused@focc12 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_focc_$GT_tp8.csv" ;;
+    moe-cand) echo "$KD moe --executors stock,fused,fused@cand0 --tps 8 --batches 1,2,4,8 --no-progress --out $M/moe_cand_$GT_tp8.csv" ;;
+    moe-breakdown-cand) echo "$KD moe --breakdown --executors fused,fused@cand0 --tps 8 --batches 1,2,8 --no-progress --out $M/moe_breakdown_cand_$GT_tp8.csv" ;;
+    moe-pdl) echo "$KD moe --executors stock,fused,fused-pdl,fused-nopdl --tps 8 --batches 1,2,3,4,6,8,17,64 --no-progress --out $M/moe_pdl_$GT_tp8.csv" ;;
+    moe-mtfit) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'fitted_m_tile' && $KD moe --executors stock,fused,fused@mtfit0 --tps 8 --batches 1,2,3,4,8 --no-progress --out $M/moe_mtfit_$GT_tp8.csv" ;;
     profile-fring) echo "$KD profile --executor fused-moe@fring --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe@fring --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'front_ring'" ;;
     profile-route-b8) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls --source 'route_kernel'" ;;
-    mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_h200.csv" ;;
+    mma-rate) echo "$KD mma-rate --no-progress --out $M/mma_rate_$GT.csv" ;;
     profile-fused-b1) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8" ;;
     profile-moe) echo "for b in 1 8 64; do for e in fused-moe stock-moe; do $KD profile --executor \$e --layer kda_moe --tp 8 --batch \$b || exit 1; done; done" ;;
     profile-fused) echo "for b in 1 8 64; do $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done; for b in 1 8; do $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
     dcp-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_stock_dcp.py tests/test_stock_triton_mla.py" ;;
-    dcp-sweep) echo "$KD sweep --executor stock --tps 8 --layers mla_moe --batches 1,8,64 --contexts 8192,32768 --dcps 1,2,4,8 --no-progress --out $M/stock_dcp_h200_tp8.csv" ;;
-    dcp-check-verify) echo "$KD sweep --executor stock --check-only --tps 8,16 --layers mla_moe --batches 1,17,64 --contexts 8192 --tokens 1,4,8 --dcps 2,8 --no-progress --out $M/stock_dcp_h200_check_verify.csv" ;;
-    multi-gpu) echo "G=\$(nvidia-smi -L | wc -l); D=\$($PY -c \"import sys; g=int(sys.argv[1]); print(','.join(str(d) for d in (1,2,4,8) if g % d == 0))\" \$G); $PY -m kimi_decode.multi_gpu --gpus \$G --shard-tp 8 --layers kda_moe,mla_moe,dense --batches 1,64 --dcps \$D --allreduce nccl,oneshot --out $M/multi_gpu_h200_\${G}gpus.csv" ;;
-    oneshot-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers dense,mla_moe --batches 1 --allreduce nccl,oneshot --out $M/multi_gpu_oneshot_dryrun_h200.csv" ;;
-    nccl-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers kda_moe,dense --batches 1 --out $M/multi_gpu_dryrun_h200.csv" ;;
-    compile-tp8-mla) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --no-progress --out $M/compile_h200_tp8_mla.csv" ;;
-    compile-tp8-mla-b64-32k) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --batches 64 --contexts 32768 --no-progress --out $M/compile_h200_tp8_mla_b64_32k.csv" ;;
-    compile-tp16-min) echo "$KD sweep --executor compile --tps 16 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp16.csv" ;;
-    compile-tp16-b8-b32) echo "$KD sweep --executor compile --tps 16 --batches 8,32 --contexts 8192 --no-progress --out $M/compile_h200_tp16_b8_b32.csv" ;;
-    compile-tp16-mla-32k) echo "$KD sweep --executor compile --tps 16 --layers mla_moe --batches 1,8,32,64 --contexts 32768 --no-progress --out $M/compile_h200_tp16_mla_32k.csv" ;;
-    compile-tp8-min) echo "$KD sweep --executor compile --tps 8 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_h200_tp8.csv" ;;
+    dcp-sweep) echo "$KD sweep --executor stock --tps 8 --layers mla_moe --batches 1,8,64 --contexts 8192,32768 --dcps 1,2,4,8 --no-progress --out $M/stock_dcp_$GT_tp8.csv" ;;
+    dcp-check-verify) echo "$KD sweep --executor stock --check-only --tps 8,16 --layers mla_moe --batches 1,17,64 --contexts 8192 --tokens 1,4,8 --dcps 2,8 --no-progress --out $M/stock_dcp_$GT_check_verify.csv" ;;
+    multi-gpu) echo "G=\$(nvidia-smi -L | wc -l); D=\$($PY -c \"import sys; g=int(sys.argv[1]); print(','.join(str(d) for d in (1,2,4,8) if g % d == 0))\" \$G); $PY -m kimi_decode.multi_gpu --gpus \$G --shard-tp 8 --layers kda_moe,mla_moe,dense --batches 1,64 --dcps \$D --allreduce nccl,oneshot --out $M/multi_gpu_$GT_\${G}gpus.csv" ;;
+    oneshot-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers dense,mla_moe --batches 1 --allreduce nccl,oneshot --out $M/multi_gpu_oneshot_dryrun_$GT.csv" ;;
+    nccl-dryrun) echo "$PY -m kimi_decode.multi_gpu --gpus 1 --shard-tp 8 --layers kda_moe,dense --batches 1 --out $M/multi_gpu_dryrun_$GT.csv" ;;
+    compile-tp8-mla) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --no-progress --out $M/compile_$GT_tp8_mla.csv" ;;
+    compile-tp8-mla-b64-32k) echo "$KD sweep --executor compile --tps 8 --layers mla_moe --batches 64 --contexts 32768 --no-progress --out $M/compile_$GT_tp8_mla_b64_32k.csv" ;;
+    compile-tp16-min) echo "$KD sweep --executor compile --tps 16 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_$GT_tp16.csv" ;;
+    compile-tp16-b8-b32) echo "$KD sweep --executor compile --tps 16 --batches 8,32 --contexts 8192 --no-progress --out $M/compile_$GT_tp16_b8_b32.csv" ;;
+    compile-tp16-mla-32k) echo "$KD sweep --executor compile --tps 16 --layers mla_moe --batches 1,8,32,64 --contexts 32768 --no-progress --out $M/compile_$GT_tp16_mla_32k.csv" ;;
+    compile-tp8-min) echo "$KD sweep --executor compile --tps 8 --batches 1,64 --contexts 8192 --no-progress --out $M/compile_$GT_tp8.csv" ;;
     profile-stock-b1) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 1 || exit 1; done" ;;
     profile-cute) echo "for b in 1 64; do $KD profile --executor cute-kernels --layer kda_moe --tp 8 --batch \$b || exit 1; done" ;;
     profile-stock-b64) echo "for l in kda_moe mla_moe dense; do $KD profile --executor stock --layer \$l --tp 8 --batch 64 || exit 1; done" ;;
@@ -102,6 +105,7 @@ stage_cmd() {
   esac
 }
 
+echo "=== card tag: $GT (output files *_${GT}_*)"
 for spec in "$@"; do
   name=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=300
   cmd=$(stage_cmd "$name") || { echo "=== unknown stage $name"; continue; }
