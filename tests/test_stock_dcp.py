@@ -57,7 +57,7 @@ def test_dcp_ranks_merge_to_the_whole_attention(D, HS, T, ctx, S):
         # rank r's cache holds exactly its positions, in order
         local = parts[r][0]
         for b, c in enumerate(ctx):
-            pos = owned_positions(c + T, D, r)
+            pos = owned_positions(c + T, D, r, device=kv_full.device)
             if pos.numel():
                 want = kv_full.view(-1, LAT + PE)[case["cache"].block_table[b, pos // 64] * 64 + pos % 64]
                 assert torch.equal(local.gather(b, pos.numel()), want)
