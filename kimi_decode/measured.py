@@ -18,6 +18,12 @@ def measured_dir() -> Path:
     return base / "measured"
 
 
+def names(pattern: str = "*") -> list[str]:
+    """Names, for `load`, of the measured CSVs matching a glob without its `.csv`, e.g. 'stock_dcp_*_tp8'
+    (one file per card: stock_dcp_h200_tp8, stock_dcp_h100_tp8, ...)."""
+    return sorted(p.name.removesuffix(".csv") for p in measured_dir().glob(f"{pattern}.csv"))
+
+
 def load(name: str) -> pd.DataFrame:
     """Load `data/measured/<name>.csv` (or `<name>.csv.xz`: the large timeline CSVs are kept compressed); a clear
     error names what exists when it is missing."""

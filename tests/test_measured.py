@@ -30,6 +30,16 @@ def test_gemv_evidence_plots_and_beats_cublas_at_m1():
     assert len(m1) == 6 and (m1["cute_gemv"] < m1["torch.mm"]).all()
 
 
+def test_names_lists_what_load_takes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_DECODE_DATA", str(tmp_path))
+    (tmp_path / "measured").mkdir()
+    for f in ("stock_dcp_h100_tp8.csv", "stock_dcp_h200_tp8.csv", "stock_h200_tp8.csv", "moe_trace_h200_tp8.csv.xz"):
+        (tmp_path / "measured" / f).write_text("a\n1\n")
+    assert measured.names("stock_dcp_*_tp8") == ["stock_dcp_h100_tp8", "stock_dcp_h200_tp8"]
+    assert measured.names() == ["stock_dcp_h100_tp8", "stock_dcp_h200_tp8", "stock_h200_tp8"]
+    assert all(len(measured.load(n)) == 1 for n in measured.names())
+
+
 def test_missing_file_error_names_what_exists():
     with pytest.raises(FileNotFoundError, match="available"):
         measured.load("no_such_file")
