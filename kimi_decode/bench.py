@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -244,9 +245,26 @@ def provenance() -> dict:
             from importlib.metadata import version
             info["cutlass_dsl"] = version("nvidia-cutlass-dsl")
         except Exception:  # noqa: BLE001
-            info["cutlass_dsl"] = ""
+            info["cutlass_dsl"] = bundle_compiler_version()
     info["git_commit"] = git_commit()
     return info
+
+
+def bundle_compiler_version() -> str:
+    """On a GPU host without the CuTe DSL compiler, the nvidia-cutlass-dsl version that compiled the offline
+    bundle's kernels (`KIMI_DECODE_ARTIFACTS`/manifest.json, written by `kimi-decode bundle`), marked '(aot)';
+    '' where there is no bundle or its manifest does not say."""
+    import json
+
+    folder = os.environ.get("KIMI_DECODE_ARTIFACTS")
+    if not folder:
+        return ""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_text())
+        found = (manifest.get("toolchain") or {}).get("nvidia-cutlass-dsl")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f"{found} (aot)" if found else ""
 
 
 def driver_version() -> str:

@@ -58,6 +58,8 @@ stage_cmd() {
     profile-fused5) echo "$KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 1 && $KD profile --executor fused5-moe --layer kda_moe --tp 8 --batch 8" ;;
     moe-bench-tp16) echo "$KD moe --executors stock,fused --tps 16 --batches 1,8,64 --no-progress --out $M/moe_half_${GT}_tp16.csv" ;;
     moe-headline) echo "$KD moe --executors stock,fused --tps 8 --batches 1,8,64 --no-progress --out $M/moe_half_${GT}_tp8.csv" ;;
+    moe-fring-geom) echo "$KD moe --executors stock,fused,fused@fring,fused@fring2x6,fused@fring2x7 --tps 8 --batches 1 --no-progress --out $M/moe_fring_geom_${GT}_tp8.csv && $KD moe --breakdown --executors fused,fused@fring,fused@fring2x6,fused@fring2x7 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_fring_geom_${GT}_tp8.csv" ;;
+    profile-fring-geom) echo "$KD profile --executor fused-moe@fring2x7 --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'front_ring'" ;;
     moe-check-verify) echo "$KD moe --check-only --executors stock,fused --tps 8 --batches 1,2,8,17,64 --tokens 1,4,8 --no-progress --out $M/moe_half_${GT}_check_verify.csv" ;;
     profile-stalls) echo "$KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'up_kernel|down_kernel' && $KD profile --executor fused-moe --layer kda_moe --tp 8 --batch 8 --metrics stalls" ;;
     moe-spread) echo "$KD moe --executors stock,fused,fused@dec3,fused@zlast,fused@dec3-zlast --tps 8 --batches 1,2,8 --no-progress --out $M/moe_spread_${GT}_tp8.csv && $KD moe --trace --executors fused@dec3-zlast --tps 8 --batches 1,8 --no-progress --out $M/moe_trace_spread_${GT}_tp8.csv.xz" ;;

@@ -745,6 +745,26 @@ def test_front_key_for_picks_tiles_keys_and_occupancy():
     assert km.split_front_options("skeys-fring") == (dict(smem_keys=True, front_ring=True), None)
 
 
+def test_front_ring_geometry_variants():
+    """'fringRxS': the ring front with R rows per slot and S slots; its key, its tag in the variant name, built
+    ahead of time at TP8 for each of RING_GEOMETRIES; a geometry the key refuses fails before any build."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_front_ring as fr
+    s = km.shapes_for_tp(8)
+    assert km.split_front_options("fring2x7-cand0") == (
+        dict(front_ring=True, front_ring_geometry=(2, 7), candidates=False), None)
+    for r, st in fr.RING_GEOMETRIES:
+        key, tags = km.front_key_for(s, 1, False, km.split_front_options(f"fring{r}x{st}")[0])
+        assert (key.rows_per_stage, key.stages, tags) == (r, st, [f"fring{r}x{st}"])
+        assert key in fr.FRONT_RING.aot_keys("sm_90a") and fr.front_ring_smem_bytes(key) <= fr.SMEM_MAX
+        key, tags = km.front_key_for(s, 2, False, km.split_front_options(f"fring{r}x{st}")[0])
+        assert isinstance(key, km.MoEFrontKey) and tags == [], "above one token the plain GEMV"
+    with pytest.raises(ValueError, match="must divide"):
+        km.front_key_for(s, 1, False, km.split_front_options("fring3x4")[0])
+    with pytest.raises(ValueError, match="shared memory"):
+        km.front_key_for(s, 1, False, km.split_front_options("fring4x4")[0])
+
+
 def test_front_ring_key_checks_and_builds(compiler):
     """The one-token ring front (`moe_front_ring`): the consumer warps' x in shared memory (no spills), the ring
     within the SM's shared memory, the routing warps on their own named barrier, the router-row counter's atomic;

@@ -80,3 +80,18 @@ def test_mma_rate_csv_prints_its_own_columns_and_a_wrong_kind_is_refused():
         results_markdown("mma_rate_h200", kind="breakdown")
     with pytest.raises(ValueError, match="kind must be one of"):
         results_markdown("mma_rate_h200", kind="nope")
+
+
+def test_provenance_names_the_bundle_compiler_without_one_installed(tmp_path, monkeypatch):
+    """On a GPU host that runs the offline bundle (no CuTe DSL compiler), `provenance()` records the
+    nvidia-cutlass-dsl version that compiled the bundle's kernels, from its manifest, marked '(aot)'."""
+    import json
+
+    from kimi_decode import bench
+    (tmp_path / "manifest.json").write_text(json.dumps({"toolchain": {"nvidia-cutlass-dsl": "9.9.9"}}))
+    monkeypatch.setenv("KIMI_DECODE_ARTIFACTS", str(tmp_path))
+    assert bench.bundle_compiler_version() == "9.9.9 (aot)"
+    (tmp_path / "manifest.json").write_text("not json")
+    assert bench.bundle_compiler_version() == ""
+    monkeypatch.delenv("KIMI_DECODE_ARTIFACTS")
+    assert bench.bundle_compiler_version() == ""

@@ -78,7 +78,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     """Take the routing kernels' options out of a fused variant string: 'focc12-cand0-run35' ->
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
     (None if nothing is). fring0 / fring: the one-token front kernel as the plain GEMV (the default) / as the
-    persistent bulk-copy ring (`moe_front_ring`; runs 50-51: slower); focc N: the plain one-token front built for N resident CTAs per
+    persistent bulk-copy ring (`moe_front_ring`; runs 50-51: slower); fringRxS: the ring front with R rows per slot
+    and S slots (`MoEFrontRingKey.rows_per_stage`, `.stages`; plain 'fring' is 4x3); focc N: the plain one-token front built for N resident CTAs per
     SM (with skeys: FRONT_SKEYS_CTAS by default); skeys0 / skeys: its routing keys in registers (the default) / in
     shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
     the persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cand0 / cand1:
@@ -101,6 +102,9 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["tail_ring"] = m.group(1) != "0"
         elif m := re.fullmatch(r"fring([01]?)", tok):
             front["front_ring"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"fring(\d+)x(\d+)", tok):  # the ring front with R rows per slot and S slots
+            front["front_ring"] = True
+            front["front_ring_geometry"] = (int(m.group(1)), int(m.group(2)))
         elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
@@ -1110,7 +1114,7 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     and the tags of the options that changed it from the default (for the variant name): the plain GEMV
     (`MoEFrontKey`) at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES). One token with
     the routing in the front kernel, options: 'fring', the persistent ring GEMV (`moe_front_ring.MoEFrontRingKey`;
-    runs 50-51: slower); 'skeys', the routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM (run 49:
+    runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'skeys', the routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM (run 49:
     slower); 'foccN', N CTAs per SM."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
@@ -1121,11 +1125,14 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     occ_default = FRONT_SKEYS_CTAS if sk else 0
     occ = o.get("min_ctas", occ_default) if one else 0
     ring = one and o.get("front_ring", False) and "smem_keys" not in o and "min_ctas" not in o
-    tags = [tag for tag, on in (("cand0", not cand), ("fring", ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
+    geometry = o.get("front_ring_geometry")
+    ring_tag = f"fring{geometry[0]}x{geometry[1]}" if geometry else "fring"
+    tags = [tag for tag, on in (("cand0", not cand), (ring_tag, ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
                                 ("mtfit0", m8)) if on]
     if ring:
         from .moe_front_ring import MoEFrontRingKey
-        return MoEFrontRingKey(shape, candidates=cand, arch=arch), tags
+        shape_kw = dict(rows_per_stage=geometry[0], stages=geometry[1]) if geometry else {}
+        return MoEFrontRingKey(shape, candidates=cand, arch=arch, **shape_kw), tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, arch=arch)  # no routing: the default key
     return key, tags

@@ -175,12 +175,21 @@ def build_front_ring(key: MoEFrontRingKey):
     return front_ring_host, args
 
 
+# ring geometries (rows per slot, slots) compiled ahead of time at TP8 besides the default 4 x 3 ('fringRxS'):
+# the same 168 KB in six slots of two rows, and seven slots (196 KB). The profile of 4 x 3 (H100, this project's
+# profiles/fused-moe.fring) shows its consumer warps waiting on full slots at 15% issue activity: a slot can be
+# read only once all 56 KB of it have arrived, so smaller slots should keep them busier.
+RING_GEOMETRIES = ((2, 6), (2, 7))
+
+
 def _aot_keys(arch: str):
-    return [MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
+    keys = [MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
+    keys += [MoEFrontRingKey(shapes_for_tp(8), rows_per_stage=r, stages=s, arch=arch) for r, s in RING_GEOMETRIES]
+    return keys
 
 
 FRONT_RING = kc.register(kc.KernelSpec(name="moe_front_ring", module=__name__, key_type=MoEFrontRingKey,
                                        build=build_front_ring, aot_keys=_aot_keys,
                                        ptx_checks=("cp.async.bulk", "mbarrier", "atom")))
 
-__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "FRONT_RING"]
+__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "FRONT_RING", "RING_GEOMETRIES"]
