@@ -14,6 +14,8 @@ same input, same weights, same single-GPU all-reduce emulation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .config import ShardSpec
@@ -115,7 +117,9 @@ class FusedMoE:
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
         shows it only there; at one token the tail is a persistent GEMV streaming W_up through a bulk-copy ring
         (`kernels/moe_tail_ring.py`, since run 49; 'tring0' takes the plain GEMV), and 'fring' makes the front one
-        too (`kernels/moe_front_ring.py`; runs 50-51: slower); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
+        too (`kernels/moe_front_ring.py`; runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'cotail'
+        stages moe_down for one token and puts a smaller tail ring beside it, which streams W_up while moe_down
+        runs; 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
         1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
@@ -133,7 +137,7 @@ class FusedMoE:
         from . import compile as kc
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
-        from .kernels.moe_tail_ring import MoETailRingKey
+        from .kernels.moe_tail_ring import MoETailRingKey, cotail_key
 
         check_moe_input(weights, x)
         if pdl is None:
@@ -160,7 +164,17 @@ class FusedMoE:
         ring = N == 1 and route_kw.get("tail_ring", True)
         if N == 1 and not ring:
             tags.append("tring0")
-        tail_key = (MoETailRingKey(shape, pdl=pdl, arch=arch) if ring
+        # 'cotail' (one token): moe_down staged for one token and a tail ring that fits beside it, so that the
+        # tail's CTAs stream W_up while moe_down still runs
+        co = N == 1 and route_kw.get("co_tail", False)
+        if co:
+            if not ring or not pdl or not isinstance(down_key, kp.MoEDownPipeKey):
+                raise ValueError("cotail puts the one-token tail ring beside the pipelined moe_down under PDL: it "
+                                 "cannot go with tring0, pdl=False or experts other than 'pipe'")
+            down_key = dataclasses.replace(down_key, max_tokens=1)
+            tags.append("cotail")
+        tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co
+                    else MoETailRingKey(shape, pdl=pdl, arch=arch) if ring
                     else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
         self.variant = "+".join([*tags, self.variant])
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)

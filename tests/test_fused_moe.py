@@ -481,7 +481,8 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
     from kimi_decode.kernels.moe_pipe import MoEUpPipeKey, parse_pipe_variant
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch * tokens, D, seed=90 + batch * tokens, device="cuda")
-    cap = parse_pipe_variant(variant)[0].get("max_tokens", MoEUpPipeKey.max_tokens) if variant else 8
+    up_kw, down_kw = parse_pipe_variant(variant) if variant else ({}, {})
+    cap = min(up_kw.get("max_tokens", MoEUpPipeKey.max_tokens), down_kw.get("max_tokens", MoEUpPipeKey.max_tokens))
     if batch * tokens > cap:  # a build for fewer tokens refuses more, before any launch
         with pytest.raises(UnsupportedConfiguration, match="expert kernels hold"):
             FusedMoE(w8, x, variant=variant)
@@ -492,9 +493,10 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["skeys", "fring"])
+@pytest.mark.parametrize("variant", ["skeys", "fring", "fring2x6", "fring2x7", "cotail"])
 def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
-    """'skeys' (the plain front with its routing keys in shared memory, 48 registers) and 'fring' (the ring front)
+    """'skeys' (the plain front with its routing keys in shared memory, 48 registers), 'fring' and 'fringRxS' (the ring
+    front), and 'cotail' (moe_down for one token with the small tail ring beside it)
     give the reference at one token and, where they do not apply (m_tile 2 and 8), leave the step as it is."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(n, D, seed=140 + n, device="cuda")
@@ -763,6 +765,67 @@ def test_front_ring_geometry_variants():
         km.front_key_for(s, 1, False, km.split_front_options("fring3x4")[0])
     with pytest.raises(ValueError, match="shared memory"):
         km.front_key_for(s, 1, False, km.split_front_options("fring4x4")[0])
+
+
+def test_cotail_keys_parse_and_are_built_ahead_of_time():
+    """'cotail' (a front option) and 'downmax1' (moe_down staged for one token): parsed, named, compiled ahead of
+    time at TP8; moe_down at one token and the cotail tail ring fit one SM's shared memory together."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.kernels import moe_tail_ring as tr
+    s = km.shapes_for_tp(8)
+    assert km.split_front_options("cotail-run35") == (dict(co_tail=True), "run35")
+    assert kp.parse_pipe_variant("downmax1") == ({}, dict(max_tokens=1))
+    down = kp.MoEDownPipeKey(s, max_tokens=1)
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), down) == "downmax1" and kp.down_pipe_capacity(down) == 1
+    assert down in kp.DOWN_PIPE.aot_keys("sm_90a")
+    tail = tr.cotail_key(s)
+    assert (tail.rows_per_stage, tail.stages, tail.r_packed, tail.pdl) == (2, 8, True, True)
+    assert tail in tr.TAIL_RING.aot_keys("sm_90a")
+    static = 1024  # each kernel's static shared memory (cuobjdump, test_cotail_fits_beside_moe_down)
+    both = kp.down_pipe_smem_bytes(down) + tr.tail_ring_smem_bytes(tail) + 2 * (static + tr.CTA_RESERVED_SMEM)
+    assert both <= tr.SM_SMEM, both
+    assert kp.down_pipe_smem_bytes(kp.MoEDownPipeKey(s)) + tr.tail_ring_smem_bytes(tail) > tr.SM_SMEM, \
+        "moe_down staged for 8 tokens leaves no room: the reason for downmax1"
+    with pytest.raises(ValueError, match="pipelined-kernel variant"):
+        kp.parse_pipe_variant("downmax9")
+
+
+def test_cotail_fits_beside_moe_down(compiler):
+    """The registers and shared memory of moe_down at one token and of the cotail tail ring, as ptxas built them,
+    fit one SM together (65536 registers, allocated per warp in units of 256; 228 KB of shared memory with 1 KB
+    kept per CTA), and neither spills; the cotail ring's r stays packed (the plain unpack is hoisted into 112
+    fp32 registers)."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.kernels import moe_tail_ring as tr
+    s = km.shapes_for_tp(8)
+    down, tail = kp.MoEDownPipeKey(s, max_tokens=1), tr.cotail_key(s)
+    ud, ut = kc.resource_usage(down), kc.resource_usage(tail)
+    for u in (ud, ut):
+        assert u["LOCAL"] == 0 and u["STACK"] == 0, u
+    down_warps = down.warps * down.ksplit + 1 + kp.FLUSH_WARPS  # compute, producer, flush warps
+    tail_warps = tail.rows_per_stage + 1
+
+    def per_warp(regs):
+        return -(-regs * 32 // 256) * 256
+
+    regs = down_warps * per_warp(ud["REG"]) + tail_warps * per_warp(ut["REG"])
+    assert regs <= tr.SM_REGISTERS, (ud, ut, regs)
+    assert ut["REG"] < 112, ut
+    smem = (kp.down_pipe_smem_bytes(down) + tr.tail_ring_smem_bytes(tail) + ud["SHARED"] + ut["SHARED"]
+            + 2 * tr.CTA_RESERVED_SMEM)
+    assert smem <= tr.SM_SMEM, smem
+
+
+@pytest.mark.gpu
+def test_cotail_refuses_what_it_cannot_go_with(w8):
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(1, D, seed=3, device="cuda")
+    for variant, kw in (("cotail-tring0", {}), ("cotail", dict(pdl=False)), ("cotail", dict(experts="pipe-up"))):
+        with pytest.raises(ValueError, match="cotail"):
+            FusedMoE(w8, x, variant=variant, **kw)
 
 
 def test_front_ring_key_checks_and_builds(compiler):

@@ -863,6 +863,10 @@ class MoEDownPipeKey:
     # 36) read the all-reduce too slowly; four (run 38): batch 1 66.6 µs against 68.6, batch 8 221.4 against
     # 226.9. The default since run 39 ('run35' keeps the kernels before; lazy and aflush imply fwarp0)
     flush_warp: bool = True
+    # 'downmaxN': tokens a step may have (their a rows, routing weights and row-block sums live in shared memory).
+    # At one token ('downmax1', implied by the fused front option 'cotail') moe_down needs about 113 KB instead of
+    # 217 KB, which leaves room on each SM for a tail CTA that streams W_up while moe_down still runs
+    max_tokens: int = PIPE_MAX_M
     arch: str = "sm_90a"
 
     @property
@@ -893,7 +897,7 @@ def row_block_flushes(lo_e: int, hi_e: int, nact: int) -> list[tuple[int, int]]:
 
 
 def down_pipe_capacity(key: MoEDownPipeKey) -> int:
-    return PIPE_MAX_M
+    return key.max_tokens
 
 
 def _down_pipe_sizes(key: MoEDownPipeKey):
@@ -907,7 +911,7 @@ def _down_pipe_sizes(key: MoEDownPipeKey):
 
 
 def _down_fixed_bytes(key) -> int:
-    I, S, n = key.shape.inter, key.shape.shared, PIPE_MAX_M
+    I, S, n = key.shape.inter, key.shape.shared, key.max_tokens
     acts = 2 * TOPK * n * I + 2 * n * S
     tables = 4 * (3 * E + 2 * TOPK * n)
     sums = 4 * n * key.rows_per_item * (2 if key.async_flush or key.lazy_flush or key.flush_warp else 1)  # the async flush's all-reduce has its own
@@ -943,7 +947,10 @@ def build_down_pipe(key: MoEDownPipeKey):
     pf = bulk_prefetch_l2()
     RG, KS, ST, G, PDL = key.warps, key.ksplit, key.stages, key.ctas, key.pdl
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
-    MXT = PIPE_MAX_M
+    MXT = key.max_tokens
+    assert 1 <= MXT <= PIPE_MAX_M
+    # fewer tokens ('downmaxN'): the largest shared-memory carveout, so that a tail CTA fits beside this one
+    carveout = dict(preferred_smem_carveout=100) if MXT < PIPE_MAX_M else {}
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
     FENCE, FW = key.proxy_fence, key.flush_warp
     LAZY = key.lazy_flush and not AFL
@@ -957,7 +964,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
     # WARPS if a step could hold more tokens than there are compute warps
-    assert not PROD or WARPS >= MXT, "the producer warp needs at least PIPE_MAX_M compute warps"
+    assert not PROD or WARPS >= MXT, "the producer warp needs at least max_tokens compute warps"
     RBD, W_BYTES, S_BYTES, RSH = _down_pipe_sizes(key)
     ACC_W = 2 * RBD if FW else RBD  # the row-block sum, double-buffered for the flush warp
     FW_PEERS = min(TP, 8)  # ranks whose 4-word loads a flush thread has in flight at once in an all-reduce
@@ -1557,7 +1564,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                   mSsq: cute.Tensor, mWup: cute.Tensor, mTrace: cute.Tensor, stream):
         down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
                     mWup, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
-                                 use_pdl=PDL)
+                                 use_pdl=PDL, **carveout)
 
     return down_host, down_pipe_args(sh, NBD)
 
@@ -1591,7 +1598,8 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
-                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4")
+                "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
+                "downmax1")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
@@ -1615,7 +1623,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     flush finished row blocks and do their all-reduce reads while the other warps go on; lazy and aflush imply
     fwarp0) [on], spin (both kernels' compute warps poll their slots' mbarriers; upspin / downspin one
     kernel's) [off], upstN (moe_up's ring slots) [4], upmaxN (the most tokens moe_up stages, 1..8; fewer leave room for
-    slots) [8], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
+    slots) [8], downmaxN (the most tokens moe_down stages, 1..8; at 1 it leaves room for a tail CTA beside it) [8], fence (both kernels' proxy fence before a ring refill; upfence0 / downfence0 one kernel's) [on], late
     (moe_down lets the tail's CTAs be scheduled only once its a is staged) [on], aflush (moe_down's producer
     warp flushes finished row blocks while the compute warps go on) [off], decN (both kernels' pair decode,
     `mxfp4_decode.VERSIONS`) [3], upwN (moe_up's compute warps, 7, 14, 16 or 28) [14], downkN (moe_down's
@@ -1658,8 +1666,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if m.group(1) == "up" else down)["early_slots"] = int(m.group(2))
         elif m := re.fullmatch(r"upst(\d)", tok):
             up["stages"] = int(m.group(1))
-        elif (m := re.fullmatch(r"upmax(\d)", tok)) and 1 <= int(m.group(1)) <= PIPE_MAX_M:
-            up["max_tokens"] = int(m.group(1))
+        elif (m := re.fullmatch(r"(up|down)max(\d)", tok)) and 1 <= int(m.group(2)) <= PIPE_MAX_M:
+            (up if m.group(1) == "up" else down)["max_tokens"] = int(m.group(2))
         elif m := re.fullmatch(r"(up|down)?spin([01]?)", tok):
             for side in ((up, down) if not m.group(1) else (up,) if m.group(1) == "up" else (down,)):
                 side["spin_wait"] = m.group(2) != "0"
@@ -1682,7 +1690,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"on different CTAs), lazy0/lazy1 (moe_down's deferred flush), late0/late1 "
                              f"(moe_down lets the tail start only after its staging), aflush0/aflush1 (moe_down's "
                              f"producer warp flushes row blocks), fwarp (moe_down's flush warp), fence0/upfence0/"
-                             f"downfence0 (no proxy fence before ring refills), spin/upspin/downspin (polled slot waits), upstN/upmaxN (moe_up's ring slots / tokens), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
+                             f"downfence0 (no proxy fence before ring refills), spin/upspin/downspin (polled slot waits), upstN/upmaxN/downmaxN (moe_up's ring slots / tokens, moe_down's tokens), dec1/dec2/dec3 (the pair decode), upwN (moe_up's "
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
@@ -1784,6 +1792,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("downspin")
         if down.flush_warp != MoEDownPipeKey.flush_warp and not (down.lazy_flush or down.async_flush):
             parts.append("fwarp" if down.flush_warp else "fwarp0")
+        if down.max_tokens != MoEDownPipeKey.max_tokens:
+            parts.append(f"downmax{down.max_tokens}")
     name = "-".join(parts) or "default"
     return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27", RUN35: "run35"}.get(name, name)
 

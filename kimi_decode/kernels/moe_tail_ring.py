@@ -36,6 +36,9 @@ class MoETailRingKey:
     stages: int = 7  # ring slots: 7 · 28 KB = 196 KB
     ctas: int = H200_SMS  # persistent CTAs (one per SM)
     pdl: bool = True
+    # r held in registers as bf16 pairs (56 words a lane, unpacked in the row loop) instead of fp32 (112): few
+    # enough registers for the tail CTA to sit beside moe_down's on every SM ('cotail', COTAIL_TAIL)
+    r_packed: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -60,6 +63,21 @@ class MoETailRingKey:
 def tail_ring_smem_bytes(key: MoETailRingKey) -> int:
     """The ring, its two mbarriers per slot, and the shared all-reduce term of each of the CTA's rows."""
     return key.stages * key.stage_bytes + 16 * key.stages + 4 * key.max_items * key.rows_per_stage + 256
+
+
+# 'cotail' (one token): the tail ring that fits beside moe_down at one token (`MoEDownPipeKey(max_tokens=1)`,
+# about 113 KB of shared memory and 672 threads of 80 registers): 2 rows per slot and 8 slots (about 115 KB),
+# 3 warps with r packed. moe_down lets the tail's CTAs be scheduled once its a is staged ('late'), so each SM's
+# producer lane requests its 8 slots (15 MB of W_up over 132 SMs) while moe_down still runs, instead of after it
+# ends. Both launches ask for the largest shared-memory carveout, so that the first one leaves the room.
+COTAIL_GEOMETRY = dict(rows_per_stage=2, stages=8, r_packed=True)
+SM_SMEM = 233472  # shared memory per SM on sm_90 (228 KB)
+CTA_RESERVED_SMEM = 1024  # what the system keeps of it for each resident CTA
+SM_REGISTERS = 65536
+
+
+def cotail_key(shape: MoEShape, pdl: bool = True, arch: str = "sm_90a") -> MoETailRingKey:
+    return MoETailRingKey(shape, pdl=pdl, arch=arch, **COTAIL_GEOMETRY)
 
 
 _STREAM = None
@@ -101,7 +119,7 @@ def build_tail_ring(key: MoETailRingKey):
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
-    from .ptx_ops import bf16x2_to_f32
+    from .ptx_ops import bf16x2_to_f32, bf16x2_to_f32_here
 
     sh = key.shape
     TP, EPS, PDL = sh.tp, sh.eps, key.pdl
@@ -114,7 +132,12 @@ def build_tail_ring(key: MoETailRingKey):
     assert WORDS % 128 == 0
     CONS = 32 * RS  # consumer threads
     THREADS = CONS + 32  # and one producer warp
+    PACKED = key.r_packed
+    # the co-resident tail asks for the largest shared-memory carveout (see COTAIL_GEOMETRY); its r words are
+    # unpacked by volatile asm in the row loop (the plain unpack is hoisted out of it into 112 fp32 registers)
+    carveout = dict(preferred_smem_carveout=100) if PACKED else {}
     unpack = bf16x2_to_f32()
+    unpack_here = bf16x2_to_f32_here()
 
     @cute.kernel
     def tail_ring_kernel(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
@@ -142,16 +165,17 @@ def build_tail_ring(key: MoETailRingKey):
         else:
             if const_expr(PDL):  # r, Σ r² and this rank's shared partial are moe_down's
                 cute.arch.griddepcontrol_wait()
-            # r in registers as fp32: chunk lane + 32 i (8 values) of the row
+            # r in registers, chunk lane + 32 i (8 values) of the row: as fp32, or as the bf16 pairs loaded
             xw = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32), cute.make_layout((WORDS,)))
             gX = cute.zipped_divide(xw, (4,))
             xv = [gX[(None, lane + 32 * i)].load() for i in range(NCH)]
             xf = []
-            for i in cutlass.range_constexpr(NCH):
-                for q in cutlass.range_constexpr(4):
-                    lo, hi = unpack(xv[i][q])
-                    xf.append(lo)
-                    xf.append(hi)
+            if const_expr(not PACKED):
+                for i in cutlass.range_constexpr(NCH):
+                    for q in cutlass.range_constexpr(4):
+                        r_lo, r_hi = unpack(xv[i][q])
+                        xf.append(r_lo)
+                        xf.append(r_hi)
             rs = cute.math.rsqrt(mSsq[0] * Float32(1.0 / L) + Float32(EPS))
             # the shared all-reduce term of each of this CTA's rows, loaded once (latency off the row loop)
             for idx in cutlass.range(tid, nitems * RS, CONS):
@@ -171,8 +195,13 @@ def build_tail_ring(key: MoETailRingKey):
                     v = gR[(None, (slot, warp, lane + 32 * i))].load()
                     for q in cutlass.range_constexpr(4):
                         lo, hi = unpack(v[q])
-                        acc[q % 2] = acc[q % 2] + lo * xf[8 * i + 2 * q]
-                        acc[q % 2] = acc[q % 2] + hi * xf[8 * i + 2 * q + 1]
+                        if const_expr(PACKED):
+                            xlo, xhi = unpack_here(xv[i][q])
+                            acc[q % 2] = acc[q % 2] + lo * xlo
+                            acc[q % 2] = acc[q % 2] + hi * xhi
+                        else:
+                            acc[q % 2] = acc[q % 2] + lo * xf[8 * i + 2 * q]
+                            acc[q % 2] = acc[q % 2] + hi * xf[8 * i + 2 * q + 1]
                 tot = cute.arch.warp_reduction_sum(acc[0] + acc[1])
                 cute.arch.sync_warp()  # every lane has read the slot
                 if lane == 0:
@@ -184,7 +213,8 @@ def build_tail_ring(key: MoETailRingKey):
     def tail_ring_host(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
                        mO: cute.Tensor, stream):
         tail_ring_kernel(mW, mX, mSsq, mSh, mCoef, mO).launch(
-            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=tail_ring_smem_bytes(key), stream=stream, use_pdl=PDL)
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=tail_ring_smem_bytes(key), stream=stream, use_pdl=PDL,
+            **carveout)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -201,11 +231,12 @@ def build_tail_ring(key: MoETailRingKey):
 
 
 def _aot_keys(arch: str):
-    return [MoETailRingKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (True, False)]
+    keys = [MoETailRingKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (True, False)]
+    return keys + [cotail_key(shapes_for_tp(8), arch=arch)]  # 'cotail' at TP8, one token (PDL)
 
 
 TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key_type=MoETailRingKey,
                                       build=build_tail_ring, aot_keys=_aot_keys,
                                       ptx_checks=("cp.async.bulk", "mbarrier")))
 
-__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING"]
+__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key"]

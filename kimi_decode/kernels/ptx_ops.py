@@ -13,6 +13,7 @@
     as_f32(bits) -> Float32            an Int32's bits read as fp32 (f32_bits: the reverse)
     pack_bf16x2(lo, hi) -> Int32       two fp32 rounded to a bf16 pair (lo in the low half)
     bf16x2_to_f32(w) -> (lo, hi)       the two bf16 of a word as fp32
+    bf16x2_to_f32_here(w) -> (lo, hi)  the same as volatile asm: unpacked where it stands, not hoisted out of loops
     ld_v4_f32(addr) -> [4 Float32]     ld.relaxed.gpu.global.v4.f32 (16-byte aligned; volatile: stays in order
                                        with fences)
     red_add_v4_f32(addr, a, b, c, d)   red.relaxed.gpu.global.add.v4.f32 (sm_90): four fp32 added in one request
@@ -135,10 +136,21 @@ def _ops():
                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
         return tuple(Int64(llvm.extractvalue(T.i64(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
+    @dsl_user_op
+    def bf16x2_to_f32_here(w, *, loc=None, ip=None):
+        """bf16x2_to_f32 as volatile inline asm: unpacked where the call stands, never hoisted out of a loop
+        (keeps a loop-invariant packed operand packed in registers)"""
+        res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 2), [Int32(w).ir_value(loc=loc, ip=ip)],
+                              "shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xFFFF0000;", "=f,=f,r",
+                              has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                              loc=loc, ip=ip)
+        return tuple(Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(2))
+
     _OPS.update(bulk_g2s=bulk_g2s, bulk_prefetch_l2=bulk_prefetch_l2, mma_bf16=mma_bf16, mma_f16=mma_f16,
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
                 bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
-                ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait)
+                ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait,
+                bf16x2_to_f32_here=bf16x2_to_f32_here)
     return _OPS
 
 
@@ -151,6 +163,7 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait) = (_accessor(n) for n in (
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here) = (_accessor(n) for n in (
     "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
-    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait"))
+    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait",
+    "bf16x2_to_f32_here"))
