@@ -119,7 +119,7 @@ class FusedMoE:
         (`kernels/moe_tail_ring.py`, since run 49; 'tring0' takes the plain GEMV), and 'fring' makes the front one
         too (`kernels/moe_front_ring.py`; runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'cotail'
         stages moe_down for one token and puts a smaller tail ring beside it, which streams W_up while moe_down
-        runs; 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
+        runs ('tringco': that ring alone, after the usual moe_down); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
         1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
@@ -173,7 +173,10 @@ class FusedMoE:
                                  "cannot go with tring0, pdl=False or experts other than 'pipe'")
             down_key = dataclasses.replace(down_key, max_tokens=1)
             tags.append("cotail")
-        tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co
+        co_ring = N == 1 and ring and route_kw.get("co_tail_ring_only", False) and not co
+        if co_ring:
+            tags.append("tringco")
+        tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co or co_ring
                     else MoETailRingKey(shape, pdl=pdl, arch=arch) if ring
                     else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
         self.variant = "+".join([*tags, self.variant])

@@ -493,7 +493,7 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["skeys", "fring", "fring2x6", "fring2x7", "cotail"])
+@pytest.mark.parametrize("variant", ["skeys", "fring", "fring2x6", "fring2x7", "cotail", "tringco"])
 def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
     """'skeys' (the plain front with its routing keys in shared memory, 48 registers), 'fring' and 'fringRxS' (the ring
     front), and 'cotail' (moe_down for one token with the small tail ring beside it)
@@ -775,6 +775,7 @@ def test_cotail_keys_parse_and_are_built_ahead_of_time():
     from kimi_decode.kernels import moe_tail_ring as tr
     s = km.shapes_for_tp(8)
     assert km.split_front_options("cotail-run35") == (dict(co_tail=True), "run35")
+    assert km.split_front_options("tringco") == (dict(co_tail_ring_only=True), None)
     assert kp.parse_pipe_variant("downmax1") == ({}, dict(max_tokens=1))
     down = kp.MoEDownPipeKey(s, max_tokens=1)
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), down) == "downmax1" and kp.down_pipe_capacity(down) == 1

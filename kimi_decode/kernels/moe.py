@@ -84,7 +84,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
     the persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cotail: at one token moe_down
     staged for one token (`downmax1`) and a tail ring small enough to sit beside it (`moe_tail_ring.cotail_key`),
-    so that the tail streams W_up while moe_down runs; cand0 / cand1:
+    so that the tail streams W_up while moe_down runs; tringco: that tail ring alone, after the usual moe_down
+    (what the ring itself costs); cand0 / cand1:
     routing without / with the candidate selection (`route_tokens`, on by default); mtfit0 / mtfit: the front and
     tail GEMVs at m_tile 8 for 2-8 tokens (`M8_TILES`, the kernels before run 49) / at the smallest m_tile of
     `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49)."""
@@ -106,6 +107,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["front_ring"] = m.group(1) != "0"
         elif m := re.fullmatch(r"cotail([01]?)", tok):
             front["co_tail"] = m.group(1) != "0"
+        elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
+            front["co_tail_ring_only"] = True
         elif m := re.fullmatch(r"fring(\d+)x(\d+)", tok):  # the ring front with R rows per slot and S slots
             front["front_ring"] = True
             front["front_ring_geometry"] = (int(m.group(1)), int(m.group(2)))
