@@ -22,18 +22,19 @@ Measured slower than the plain front (runs 50 and 51: 28.5 and 30.2 µs in the b
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .. import compile as kc
 from .moe import D, E, MoEShape, _routing_fakes, route_smem, route_smem_bytes, route_tokens, shapes_for_tp
 from .moe_pipe import H200_SMS
-from .moe_tail_ring import SMEM_MAX, stream_row_blocks
+from .moe_tail_ring import SMEM_MAX, RingGeometry, ring_row_dot, stream_row_blocks
 
 ROUTE_WARPS = 4  # the routing warps of every CTA (one token: warp 0 of them routes, all four build the tables)
 ROUTE_BARRIER = 2  # their named barrier (1: the consumer warps')
 
 
 @dataclass(frozen=True)
-class MoEFrontRingKey:
+class MoEFrontRingKey(RingGeometry):
     shape: MoEShape
     rows_per_stage: int = 4  # weight rows per ring slot: one per consumer warp (one bulk copy of 4 · 14 KB)
     stages: int = 3  # ring slots: 3 · 56 KB = 168 KB
@@ -41,19 +42,10 @@ class MoEFrontRingKey:
     candidates: bool = True  # routing by candidates (as moe.MoEFrontKey.candidates)
     arch: str = "sm_90a"
 
-    def __post_init__(self):
-        if self.shape.ncat % self.rows_per_stage or E % self.rows_per_stage:
-            raise ValueError(f"rows_per_stage={self.rows_per_stage} must divide the router's {E} rows and the "
-                             f"front's {self.shape.ncat}")
-        if not 1 <= self.rows_per_stage <= 16:
-            raise ValueError("rows_per_stage is the consumer warp count: 1..16")
-        if front_ring_smem_bytes(self) > SMEM_MAX:
-            raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {front_ring_smem_bytes(self)} "
-                             f"B of shared memory, over {SMEM_MAX}")
+    ROW_ELEMS: ClassVar[int] = D  # a row of [router ; latent down ; shared gate/up]
 
-    @property
-    def stage_bytes(self) -> int:
-        return self.rows_per_stage * D * 2
+    def __post_init__(self):
+        self.check_geometry({"the router": E, "the front": self.shape.ncat}, front_ring_smem_bytes(self))
 
 
 def front_ring_smem_bytes(key: MoEFrontRingKey) -> int:
@@ -124,16 +116,8 @@ def build_front_ring(key: MoEFrontRingKey):
             for n in cutlass.range(nitems):
                 slot = n % ST
                 cute.arch.mbarrier_wait(full.iterator + slot, (n // ST) % 2)
-                acc = [Float32(0.0), Float32(0.0)]  # two chains
-                for i in cutlass.range_constexpr(NCH):
-                    v = gR[(None, (slot, warp, lane + 32 * i))].load()
-                    xv = sX[(None, lane + 32 * i)].load()
-                    for q in cutlass.range_constexpr(4):
-                        wlo, whi = unpack(v[q])
-                        xlo, xhi = unpack(xv[q])
-                        acc[q % 2] = acc[q % 2] + wlo * xlo
-                        acc[q % 2] = acc[q % 2] + whi * xhi
-                tot = cute.arch.warp_reduction_sum(acc[0] + acc[1])
+                tot = ring_row_dot(gR, slot, warp, lane, NCH, unpack, lambda i: sX[(None, lane + 32 * i)].load(),
+                                   lambda xc, i, q: unpack(xc[q]))
                 cute.arch.sync_warp()  # every lane has read the slot
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty.iterator + slot)
@@ -192,4 +176,4 @@ FRONT_RING = kc.register(kc.KernelSpec(name="moe_front_ring", module=__name__, k
                                        build=build_front_ring, aot_keys=_aot_keys,
                                        ptx_checks=("cp.async.bulk", "mbarrier", "atom")))
 
-__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "FRONT_RING", "RING_GEOMETRIES"]
+__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "SMEM_MAX", "FRONT_RING", "RING_GEOMETRIES"]

@@ -21,6 +21,7 @@ One token only: `FusedMoE` uses it for single-token steps (the `m_tile` 1 tail),
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .. import compile as kc
 from .moe import D, L, MoEShape, shapes_for_tp
@@ -29,8 +30,31 @@ from .moe_pipe import H200_SMS
 SMEM_MAX = 227 * 1024  # usable shared memory per CTA on the H200
 
 
+class RingGeometry:
+    """What the two ring keys share (`MoETailRingKey` here, `moe_front_ring.MoEFrontRingKey`): slots of
+    `rows_per_stage` weight rows of ROW_ELEMS bf16 (one row per consumer warp, one bulk copy per slot), `stages`
+    slots, and the checks on that geometry, made before any build."""
+    ROW_ELEMS: ClassVar[int]
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.rows_per_stage * self.ROW_ELEMS * 2
+
+    def check_geometry(self, row_counts: dict[str, int], smem_bytes: int) -> None:
+        """Refuse a slot that does not divide each of `row_counts` (what: rows), a consumer warp count outside
+        1..16, and a ring that needs more shared memory than a CTA has."""
+        for what, n in row_counts.items():
+            if n % self.rows_per_stage:
+                raise ValueError(f"rows_per_stage={self.rows_per_stage} must divide {what} ({n} rows)")
+        if not 1 <= self.rows_per_stage <= 16:
+            raise ValueError("rows_per_stage is the consumer warp count: 1..16")
+        if smem_bytes > SMEM_MAX:
+            raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {smem_bytes} B of shared "
+                             f"memory, over {SMEM_MAX}")
+
+
 @dataclass(frozen=True)
-class MoETailRingKey:
+class MoETailRingKey(RingGeometry):
     shape: MoEShape
     rows_per_stage: int = 4  # W_up rows per ring slot: one per consumer warp (one bulk copy of 4 · 7 KB)
     stages: int = 7  # ring slots: 7 · 28 KB = 196 KB
@@ -41,18 +65,10 @@ class MoETailRingKey:
     r_packed: bool = False
     arch: str = "sm_90a"
 
-    def __post_init__(self):
-        if D % self.rows_per_stage:
-            raise ValueError(f"rows_per_stage={self.rows_per_stage} must divide D={D}")
-        if not 1 <= self.rows_per_stage <= 16:
-            raise ValueError("rows_per_stage is the consumer warp count: 1..16")
-        if tail_ring_smem_bytes(self) > SMEM_MAX:
-            raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {tail_ring_smem_bytes(self)} B "
-                             f"of shared memory, over {SMEM_MAX}")
+    ROW_ELEMS: ClassVar[int] = L  # a W_up row
 
-    @property
-    def stage_bytes(self) -> int:
-        return self.rows_per_stage * L * 2
+    def __post_init__(self):
+        self.check_geometry({"W_up": D}, tail_ring_smem_bytes(self))
 
     @property
     def max_items(self) -> int:
@@ -112,6 +128,26 @@ def stream_row_blocks():
 
         _STREAM = stream
     return _STREAM
+
+
+def ring_row_dot(gR, slot, warp, lane, nch, unpack, x_chunk, x_pair):
+    """(traced where it is called, inside a ring kernel) the consumer warp's dot product of its row of a full slot
+    against x: chunk lane + 32 i (16 bytes, 8 bf16 weights) of the row for i < nch, unpacked by `unpack`, against
+    x_pair(x_chunk(i), i, q) -> (x_lo, x_hi) for word q of the chunk (x in registers or in shared memory), in two
+    fp32 chains and one warp sum. gR: the ring divided into 16-byte chunks (slot, row, chunk)."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    acc = [Float32(0.0), Float32(0.0)]
+    for i in range(nch):
+        v = gR[(None, (slot, warp, lane + 32 * i))].load()
+        xc = x_chunk(i)
+        for q in range(4):
+            lo, hi = unpack(v[q])
+            x_lo, x_hi = x_pair(xc, i, q)
+            acc[q % 2] = acc[q % 2] + lo * x_lo
+            acc[q % 2] = acc[q % 2] + hi * x_hi
+    return cute.arch.warp_reduction_sum(acc[0] + acc[1])
 
 
 def build_tail_ring(key: MoETailRingKey):
@@ -176,6 +212,10 @@ def build_tail_ring(key: MoETailRingKey):
                         r_lo, r_hi = unpack(xv[i][q])
                         xf.append(r_lo)
                         xf.append(r_hi)
+            if const_expr(PACKED):
+                r_pair = lambda _, i, q: unpack_here(xv[i][q])  # noqa: E731
+            else:
+                r_pair = lambda _, i, q: (xf[8 * i + 2 * q], xf[8 * i + 2 * q + 1])  # noqa: E731
             rs = cute.math.rsqrt(mSsq[0] * Float32(1.0 / L) + Float32(EPS))
             # the shared all-reduce term of each of this CTA's rows, loaded once (latency off the row loop)
             for idx in cutlass.range(tid, nitems * RS, CONS):
@@ -190,19 +230,7 @@ def build_tail_ring(key: MoETailRingKey):
             for n in cutlass.range(nitems):
                 slot = n % ST
                 cute.arch.mbarrier_wait(full.iterator + slot, (n // ST) % 2)
-                acc = [Float32(0.0), Float32(0.0)]  # two chains
-                for i in cutlass.range_constexpr(NCH):
-                    v = gR[(None, (slot, warp, lane + 32 * i))].load()
-                    for q in cutlass.range_constexpr(4):
-                        lo, hi = unpack(v[q])
-                        if const_expr(PACKED):
-                            xlo, xhi = unpack_here(xv[i][q])
-                            acc[q % 2] = acc[q % 2] + lo * xlo
-                            acc[q % 2] = acc[q % 2] + hi * xhi
-                        else:
-                            acc[q % 2] = acc[q % 2] + lo * xf[8 * i + 2 * q]
-                            acc[q % 2] = acc[q % 2] + hi * xf[8 * i + 2 * q + 1]
-                tot = cute.arch.warp_reduction_sum(acc[0] + acc[1])
+                tot = ring_row_dot(gR, slot, warp, lane, NCH, unpack, lambda i: None, r_pair)
                 cute.arch.sync_warp()  # every lane has read the slot
                 if lane == 0:
                     cute.arch.mbarrier_arrive(empty.iterator + slot)
@@ -239,4 +267,4 @@ TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key
                                       build=build_tail_ring, aot_keys=_aot_keys,
                                       ptx_checks=("cp.async.bulk", "mbarrier")))
 
-__all__ = ["MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key"]
+__all__ = ["RingGeometry", "ring_row_dot", "MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key"]
