@@ -202,6 +202,20 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _cmd_ring_rate(args) -> int:
+    from .ring_rate import run_ring_rate
+    try:
+        df = run_ring_rate(mb=args.mb, copies=args.copies, out_csv=args.out, progress=not args.no_progress)
+    except (RuntimeError, ValueError) as e:
+        print(f"kimi-decode ring-rate: {e}", file=sys.stderr)
+        return 3
+    print(df[["slot_kb", "stages", "ctas_per_sm", "kb_in_flight_per_sm", "work", "us_median", "achieved_GBps",
+              "fraction_of_copy"]].round(3).to_string(index=False))
+    if args.out:
+        print(f"written to {args.out}")
+    return 0
+
+
 def _cmd_mma_rate(args) -> int:
     from .mma_rate import run_mma_rate
     try:
@@ -347,6 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="CSV to write")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_mma_rate)
+
+    p = sub.add_parser("ring-rate", help="GB/s of a persistent bulk-copy ring by slot size, depth and CTAs per SM (GPU)",
+                       description="Stream MB of weights through the ring of the one-token tail (kernels/ring_rate.py) "
+                                   "for each geometry built ahead of time, with the consumers releasing each slot at "
+                                   "once or after the tail ring's row loop, under a CUDA graph over several buffer "
+                                   "copies: µs per launch, GB/s, and the fraction of this card's copy bandwidth.")
+    p.add_argument("--mb", type=float, default=None, help="MB per launch (default: W_up at TP8, 51.4)")
+    p.add_argument("--copies", type=int, default=4, help="buffers the graph rotates over (default 4)")
+    p.add_argument("--out", default=None, help="CSV to write")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_ring_rate)
 
     p = sub.add_parser("matrix", help="print the support matrix")
     p.set_defaults(func=_cmd_matrix)

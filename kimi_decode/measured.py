@@ -71,6 +71,8 @@ RESULT_COLUMNS = {
             "active_experts", "achieved_GBps", "floor_us", "floor_ratio", "speedup_vs_stock", "check_ok"],
     "breakdown": ["executor", "batch", "launch", "label", "prefix_us", "prefix_p10", "prefix_p90", "added_us",
                   "GBps_of_added"],
+    "ring_rate": ["slot_kb", "stages", "ctas_per_sm", "kb_in_flight_per_sm", "work", "us_median", "us_p10", "us_p90",
+                  "achieved_GBps", "fraction_of_copy", "checked"],
     "mma_rate": ["warps", "chains", "decode", "cycles_per_mma", "clock_GHz", "moe_up_item_cycles_if_mma_bound"],
     "collectives": ["layer", "tp", "dcp", "processes", "batch", "collectives", "ranks_agree", "all_written",
                     "rel_err_vs_dcp1", "us_median", "us_p10", "us_p90", "kernels_measured", "emulated_us_median",
@@ -86,6 +88,8 @@ def results_markdown(name: str, kind: str | None = None) -> str:
             kind = "breakdown"
         elif "cycles_per_mma" in df.columns:
             kind = "mma_rate"
+        elif "kb_in_flight_per_sm" in df.columns:
+            kind = "ring_rate"
         elif "emulated_us_median" in df.columns:
             kind = "collectives"
         else:
