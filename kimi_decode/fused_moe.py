@@ -117,7 +117,8 @@ class FusedMoE:
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
         shows it only there; at one token the tail is a persistent GEMV streaming W_up through a bulk-copy ring
         (`kernels/moe_tail_ring.py`, since run 49; 'tring0' takes the plain GEMV), and 'fring' makes the front one
-        too (`kernels/moe_front_ring.py`; runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'cotail'
+        too (`kernels/moe_front_ring.py`; runs 50-51: slower; 'fringRxS[cN]' with R rows per slot, S slots and N CTAs
+        per SM; 'tringRxS[cN]' the tail ring's geometry the same way); 'cotail'
         stages moe_down for one token and puts a smaller tail ring beside it, which streams W_up while moe_down
         runs ('tringco': that ring alone, after the usual moe_down); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
@@ -137,7 +138,7 @@ class FusedMoE:
         from . import compile as kc
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
-        from .kernels.moe_tail_ring import MoETailRingKey, cotail_key
+        from .kernels.moe_tail_ring import cotail_key, tail_ring_key
 
         check_moe_input(weights, x)
         if pdl is None:
@@ -176,9 +177,14 @@ class FusedMoE:
         co_ring = N == 1 and ring and route_kw.get("co_tail_ring_only", False) and not co
         if co_ring:
             tags.append("tringco")
+        geometry = route_kw.get("tail_ring_geometry")
+        if geometry and (co or co_ring):
+            raise ValueError("a tail ring geometry (tringRxS[cN]) cannot go with cotail or tringco, which fix theirs")
         tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co or co_ring
-                    else MoETailRingKey(shape, pdl=pdl, arch=arch) if ring
+                    else tail_ring_key(shape, geometry, pdl=pdl, arch=arch) if ring
                     else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
+        if ring and geometry:
+            tags.append("tring" + tail_key.geometry_tag)
         self.variant = "+".join([*tags, self.variant])
         # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
         self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)

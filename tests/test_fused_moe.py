@@ -493,7 +493,8 @@ def test_fused_prologue_and_extra_warp_variants_match_the_reference(w8, variant,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 8])
-@pytest.mark.parametrize("variant", ["skeys", "fring", "fring2x6", "fring2x7", "cotail", "tringco"])
+@pytest.mark.parametrize("variant", ["skeys", "fring", "fring2x6", "fring2x7", "fring2x3c2", "cotail", "tringco",
+                                     "tring4x3c2", "tring2x7c2"])
 def test_fused_front_occupancy_builds_match_the_reference(w8, n, variant):
     """'skeys' (the plain front with its routing keys in shared memory, 48 registers), 'fring' and 'fringRxS' (the ring
     front), and 'cotail' (moe_down for one token with the small tail ring beside it)
@@ -754,17 +755,72 @@ def test_front_ring_geometry_variants():
     from kimi_decode.kernels import moe_front_ring as fr
     s = km.shapes_for_tp(8)
     assert km.split_front_options("fring2x7-cand0") == (
-        dict(front_ring=True, front_ring_geometry=(2, 7), candidates=False), None)
-    for r, st in fr.RING_GEOMETRIES:
-        key, tags = km.front_key_for(s, 1, False, km.split_front_options(f"fring{r}x{st}")[0])
-        assert (key.rows_per_stage, key.stages, tags) == (r, st, [f"fring{r}x{st}"])
+        dict(front_ring=True, front_ring_geometry=(2, 7, 1), candidates=False), None)
+    for g in fr.RING_GEOMETRIES:
+        r, st, c = (*g, 1)[:3]
+        name = f"fring{r}x{st}" + (f"c{c}" if c > 1 else "")
+        key, tags = km.front_key_for(s, 1, False, km.split_front_options(name)[0])
+        assert (key.rows_per_stage, key.stages, key.ctas_per_sm, tags) == (r, st, c, [name])
         assert key in fr.FRONT_RING.aot_keys("sm_90a") and fr.front_ring_smem_bytes(key) <= fr.SMEM_MAX
-        key, tags = km.front_key_for(s, 2, False, km.split_front_options(f"fring{r}x{st}")[0])
+        key, tags = km.front_key_for(s, 2, False, km.split_front_options(name)[0])
         assert isinstance(key, km.MoEFrontKey) and tags == [], "above one token the plain GEMV"
+    with pytest.raises(ValueError, match="CTAs per SM"):  # two CTAs of 168 KB of slots on one SM
+        km.front_key_for(s, 1, False, km.split_front_options("fring4x3c2")[0])
+    with pytest.raises(ValueError, match="ctas must be"):
+        km.front_key_for(s, 1, False, km.split_front_options("fring2x3c3")[0])
     with pytest.raises(ValueError, match="must divide"):
         km.front_key_for(s, 1, False, km.split_front_options("fring3x4")[0])
     with pytest.raises(ValueError, match="shared memory"):
         km.front_key_for(s, 1, False, km.split_front_options("fring4x4")[0])
+
+
+def test_tail_ring_geometry_variants():
+    """'tringRxS[cN]': the one-token tail ring with R rows per slot, S slots and N CTAs per SM; parsed, tagged in the
+    variant name, built ahead of time at TP8 for each of TAIL_RING_GEOMETRIES; refused where two CTAs do not fit
+    an SM."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_tail_ring as tr
+    s = km.shapes_for_tp(8)
+    assert km.split_front_options("tring4x3c2") == (dict(tail_ring=True, tail_ring_geometry=(4, 3, 2)), None)
+    built = tr.TAIL_RING.aot_keys("sm_90a")
+    for g in tr.TAIL_RING_GEOMETRIES:
+        key = tr.tail_ring_key(s, g)
+        assert key in built and (key.rows_per_stage, key.stages, key.ctas_per_sm) == g
+        assert key.geometry_tag == "{}x{}c{}".format(*g)
+        assert key.ctas_per_sm * (tr.tail_ring_smem_bytes(key) + tr.CTA_RESERVED_SMEM) <= tr.SM_SMEM
+    with pytest.raises(ValueError, match="CTAs per SM"):
+        tr.tail_ring_key(s, (4, 7, 2))
+
+
+def test_two_ctas_per_sm_ring_keys_fit_an_sm(compiler):
+    """The ring geometries with two CTAs per SM ('tring4x3c2', 'tring2x7c2', 'fring2x3c2') fit two CTAs in the SM's
+    registers (ptxas's count, allocated per warp in units of 256) and shared memory, without spilling."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_front_ring as fr
+    from kimi_decode.kernels import moe_tail_ring as tr
+    s = km.shapes_for_tp(8)
+    keys = [(tr.tail_ring_key(s, g), g[0] + 1, tr.tail_ring_smem_bytes) for g in tr.TAIL_RING_GEOMETRIES]
+    keys += [(fr.front_ring_key(s, g), g[0] + 1 + fr.ROUTE_WARPS, fr.front_ring_smem_bytes)
+             for g in fr.RING_GEOMETRIES if len(g) == 3]
+    assert len(keys) == 3 and all(k.ctas_per_sm == 2 for k, _, _ in keys)
+    for key, warps, smem in keys:
+        use = kc.resource_usage(key)
+        assert use["LOCAL"] == 0 and use["STACK"] == 0, (key, use)
+        per_warp = -(-use["REG"] * 32 // 256) * 256
+        assert 2 * warps * per_warp <= tr.SM_REGISTERS, (key.geometry_tag, use["REG"], warps)
+        assert 2 * (smem(key) + use["SHARED"] + tr.CTA_RESERVED_SMEM) <= tr.SM_SMEM, key.geometry_tag
+
+
+@pytest.mark.gpu
+def test_tail_ring_geometry_refuses_cotail_before_any_build(w8, monkeypatch):
+    from kimi_decode import compile as kc
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(1, D, seed=5, device="cuda")
+    monkeypatch.setattr(kc, "load", lambda key: pytest.fail(f"built {key} before refusing"))
+    for v in ("tring4x3c2-cotail", "tring4x3c2-tringco"):
+        with pytest.raises(ValueError, match="cannot go with cotail or tringco"):
+            FusedMoE(w8, x, variant=v)
 
 
 def test_cotail_keys_parse_and_are_built_ahead_of_time():

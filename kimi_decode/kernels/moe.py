@@ -79,9 +79,10 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     ({'min_ctas': 12, 'candidates': False}, 'run35'); what is left goes to the expert kernels' variant parser
     (None if nothing is). fring0 / fring: the one-token front kernel as the plain GEMV (the default) / as the
     persistent bulk-copy ring (`moe_front_ring`; runs 50-51: slower); fringRxS: the ring front with R rows per slot
-    and S slots (`MoEFrontRingKey.rows_per_stage`, `.stages`; plain 'fring' is 4x3); focc N: the plain one-token front built for N resident CTAs per
-    SM (with skeys: FRONT_SKEYS_CTAS by default); skeys0 / skeys: its routing keys in registers (the default) / in
-    shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
+    and S slots (`MoEFrontRingKey.rows_per_stage`, `.stages`; plain 'fring' is 4x3), fringRxScN with N CTAs per
+    SM; tringRxS[cN]: the one-token tail ring's geometry, the same way (`moe_tail_ring.TAIL_RING_GEOMETRIES`,
+    default 4x7); focc N: the plain one-token front built for N resident CTAs per SM (with skeys: FRONT_SKEYS_CTAS
+    by default); skeys0 / skeys: its routing keys in registers (the default) / in shared memory (`route_tokens` SKEYS; run 49: slower); tring0 / tring: the one-token tail as the plain GEMV / as
     the persistent bulk-copy ring (`moe_tail_ring`, the default since run 49); cotail: at one token moe_down
     staged for one token (`downmax1`) and a tail ring small enough to sit beside it (`moe_tail_ring.cotail_key`),
     so that the tail streams W_up while moe_down runs; tringco: that tail ring alone, after the usual moe_down
@@ -109,9 +110,12 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["co_tail"] = m.group(1) != "0"
         elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
             front["co_tail_ring_only"] = True
-        elif m := re.fullmatch(r"fring(\d+)x(\d+)", tok):  # the ring front with R rows per slot and S slots
+        elif m := re.fullmatch(r"fring(\d+)x(\d+)(?:c(\d+))?", tok):  # ring front: R rows per slot, S slots, N CTAs/SM
             front["front_ring"] = True
-            front["front_ring_geometry"] = (int(m.group(1)), int(m.group(2)))
+            front["front_ring_geometry"] = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 1))
+        elif m := re.fullmatch(r"tring(\d+)x(\d+)(?:c(\d+))?", tok):  # the tail ring's geometry, the same way
+            front["tail_ring"] = True
+            front["tail_ring_geometry"] = (int(m.group(1)), int(m.group(2)), int(m.group(3) or 1))
         elif m := re.fullmatch(r"focc(\d+)", tok):
             n = int(m.group(1))
             if not 1 <= n <= FRONT_MAX_CTAS:
@@ -1133,13 +1137,15 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     occ = o.get("min_ctas", occ_default) if one else 0
     ring = one and o.get("front_ring", False) and "smem_keys" not in o and "min_ctas" not in o
     geometry = o.get("front_ring_geometry")
-    ring_tag = f"fring{geometry[0]}x{geometry[1]}" if geometry else "fring"
+    ring_key = None
+    if ring:
+        from .moe_front_ring import front_ring_key
+        ring_key = front_ring_key(shape, geometry, candidates=cand, arch=arch)
+    ring_tag = "fring" + (ring_key.geometry_tag if ring_key is not None and geometry else "")
     tags = [tag for tag, on in (("cand0", not cand), (ring_tag, ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
                                 ("mtfit0", m8)) if on]
     if ring:
-        from .moe_front_ring import MoEFrontRingKey
-        shape_kw = dict(rows_per_stage=geometry[0], stages=geometry[1]) if geometry else {}
-        return MoEFrontRingKey(shape, candidates=cand, arch=arch, **shape_kw), tags
+        return ring_key, tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, arch=arch)  # no routing: the default key
     return key, tags

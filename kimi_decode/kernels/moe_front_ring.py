@@ -163,17 +163,27 @@ def build_front_ring(key: MoEFrontRingKey):
 # the same 168 KB in six slots of two rows, and seven slots (196 KB). The profile of 4 x 3 (H100, this project's
 # profiles/fused-moe.fring) shows its consumer warps waiting on full slots at 15% issue activity: a slot can be
 # read only once all 56 KB of it have arrived, so smaller slots should keep them busier.
-RING_GEOMETRIES = ((2, 6), (2, 7))
+# (run 56: both slower). With a third entry, CTAs per SM ('fringRxScN'): 2 x 3 at two CTAs per SM, each with its
+# own producer lane and x, the same 168 KB of slots per SM.
+RING_GEOMETRIES = ((2, 6), (2, 7), (2, 3, 2))
+
+
+def front_ring_key(shape: MoEShape, geometry: tuple | None = None, candidates: bool = True,
+                   arch: str = "sm_90a") -> MoEFrontRingKey:
+    """The ring front key of a 'fringRxS[cN]' geometry (rows per slot, slots[, CTAs per SM]); None: 4 x 3."""
+    if geometry is None:
+        return MoEFrontRingKey(shape, candidates=candidates, arch=arch)
+    r, st, c = (*geometry, 1)[:3]
+    return MoEFrontRingKey(shape, rows_per_stage=r, stages=st, ctas=H200_SMS * c, candidates=candidates, arch=arch)
 
 
 def _aot_keys(arch: str):
     keys = [MoEFrontRingKey(shapes_for_tp(tp), arch=arch) for tp in (8, 16)]
-    keys += [MoEFrontRingKey(shapes_for_tp(8), rows_per_stage=r, stages=s, arch=arch) for r, s in RING_GEOMETRIES]
-    return keys
+    return keys + [front_ring_key(shapes_for_tp(8), g, arch=arch) for g in RING_GEOMETRIES]
 
 
 FRONT_RING = kc.register(kc.KernelSpec(name="moe_front_ring", module=__name__, key_type=MoEFrontRingKey,
                                        build=build_front_ring, aot_keys=_aot_keys,
                                        ptx_checks=("cp.async.bulk", "mbarrier", "atom")))
 
-__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "SMEM_MAX", "FRONT_RING", "RING_GEOMETRIES"]
+__all__ = ["MoEFrontRingKey", "front_ring_smem_bytes", "SMEM_MAX", "FRONT_RING", "RING_GEOMETRIES", "front_ring_key"]

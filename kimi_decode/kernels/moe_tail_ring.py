@@ -28,6 +28,9 @@ from .moe import D, L, MoEShape, shapes_for_tp
 from .moe_pipe import H200_SMS
 
 SMEM_MAX = 227 * 1024  # usable shared memory per CTA on the H200
+SM_SMEM = 233472  # shared memory per SM on sm_90 (228 KB)
+CTA_RESERVED_SMEM = 1024  # what the system keeps of it for each resident CTA
+SM_REGISTERS = 65536
 
 
 class RingGeometry:
@@ -51,6 +54,20 @@ class RingGeometry:
         if smem_bytes > SMEM_MAX:
             raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {smem_bytes} B of shared "
                              f"memory, over {SMEM_MAX}")
+        if self.ctas not in (H200_SMS, 2 * H200_SMS):
+            raise ValueError(f"ctas must be {H200_SMS} (one per SM) or {2 * H200_SMS} (two), got {self.ctas}")
+        if self.ctas_per_sm * (smem_bytes + CTA_RESERVED_SMEM) > SM_SMEM:
+            raise ValueError(f"{self.ctas_per_sm} CTAs per SM of {smem_bytes} B of shared memory each need more "
+                             f"shared memory than the SM's {SM_SMEM} B")
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return self.ctas // H200_SMS
+
+    @property
+    def geometry_tag(self) -> str:
+        """RxS (rows per slot x slots), with cN where N CTAs share an SM: the variant names' form."""
+        return f"{self.rows_per_stage}x{self.stages}" + (f"c{self.ctas_per_sm}" if self.ctas_per_sm != 1 else "")
 
 
 @dataclass(frozen=True)
@@ -87,9 +104,6 @@ def tail_ring_smem_bytes(key: MoETailRingKey) -> int:
 # producer lane requests its 8 slots (15 MB of W_up over 132 SMs) while moe_down still runs, instead of after it
 # ends. Both launches ask for the largest shared-memory carveout, so that the first one leaves the room.
 COTAIL_GEOMETRY = dict(rows_per_stage=2, stages=8, r_packed=True)
-SM_SMEM = 233472  # shared memory per SM on sm_90 (228 KB)
-CTA_RESERVED_SMEM = 1024  # what the system keeps of it for each resident CTA
-SM_REGISTERS = 65536
 
 
 def cotail_key(shape: MoEShape, pdl: bool = True, arch: str = "sm_90a") -> MoETailRingKey:
@@ -258,8 +272,24 @@ def build_tail_ring(key: MoETailRingKey):
     return tail_ring_host, args
 
 
+# ring geometries (rows per slot, slots, CTAs per SM) built ahead of time at TP8 with PDL besides the default
+# 4 x 7 ('tringRxS[cN]'): two CTAs per SM, each with its own producer lane (`ring_rate`'s question: is one lane
+# issuing one bulk copy after each release what bounds the ring?)
+TAIL_RING_GEOMETRIES = ((4, 3, 2), (2, 7, 2))
+
+
+def tail_ring_key(shape: MoEShape, geometry: tuple | None = None, pdl: bool = True,
+                  arch: str = "sm_90a") -> MoETailRingKey:
+    """The tail ring key of a 'tringRxS[cN]' geometry (rows per slot, slots, CTAs per SM); None: the default."""
+    if geometry is None:
+        return MoETailRingKey(shape, pdl=pdl, arch=arch)
+    r, st, c = geometry
+    return MoETailRingKey(shape, rows_per_stage=r, stages=st, ctas=H200_SMS * c, pdl=pdl, arch=arch)
+
+
 def _aot_keys(arch: str):
     keys = [MoETailRingKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (True, False)]
+    keys += [tail_ring_key(shapes_for_tp(8), g, arch=arch) for g in TAIL_RING_GEOMETRIES]
     return keys + [cotail_key(shapes_for_tp(8), arch=arch)]  # 'cotail' at TP8, one token (PDL)
 
 
@@ -267,4 +297,5 @@ TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key
                                       build=build_tail_ring, aot_keys=_aot_keys,
                                       ptx_checks=("cp.async.bulk", "mbarrier")))
 
-__all__ = ["RingGeometry", "ring_row_dot", "MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key"]
+__all__ = ["RingGeometry", "ring_row_dot", "MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key",
+           "TAIL_RING_GEOMETRIES", "tail_ring_key"]
