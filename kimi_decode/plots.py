@@ -177,6 +177,52 @@ def plot_dcp_measured(df, ax=None, title: str | None = None):
     return ax
 
 
+def plot_ring_rate(df, ax=None, title: str | None = None):
+    """A `kimi-decode ring-rate` CSV (such as `ring_rate_h200`): for each ring geometry (KB per slot × slots, CTAs
+    per SM, KB in flight per SM) the fraction of this card's copy bandwidth the ring streams at, with the consumers
+    idle and with the tail ring's row loop, p10–p90 bars; a line at 1.0 (the copy) and, dotted, the tail ring's
+    geometry."""
+    need = {"slot_kb", "stages", "ctas_per_sm", "work", "us_median", "us_p10", "us_p90", "fraction_of_copy"}
+    if not need <= set(df.columns):
+        raise ValueError(f"not a ring-rate frame: missing {sorted(need - set(df.columns))}")
+    if df.empty:
+        raise ValueError("no rows in this frame")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4.5))
+    geo = df[["slot_kb", "stages", "ctas_per_sm"]].drop_duplicates().sort_values(["ctas_per_sm", "slot_kb", "stages"])
+    labels = [f"{r.slot_kb} KB × {r.stages}" + (f", {r.ctas_per_sm} CTAs/SM" if r.ctas_per_sm > 1 else "")
+              for r in geo.itertuples()]
+    width = 0.38
+    for j, (work, name) in enumerate(((False, "consumers release at once"), (True, "consumers run the row loop"))):
+        xs, fr, lo, hi = [], [], [], []
+        for i, r in enumerate(geo.itertuples()):
+            row = df[(df.slot_kb == r.slot_kb) & (df.stages == r.stages) & (df.ctas_per_sm == r.ctas_per_sm)
+                     & (df.work == work)]
+            if row.empty:
+                continue
+            row = row.iloc[0]
+            xs.append(i + (j - 0.5) * width)
+            fr.append(row.fraction_of_copy)
+            # a slower replay (p90 µs) streams a smaller fraction
+            lo.append(row.fraction_of_copy - row.fraction_of_copy * row.us_median / row.us_p90)
+            hi.append(row.fraction_of_copy * row.us_median / row.us_p10 - row.fraction_of_copy)
+        ax.bar(xs, fr, width, yerr=[lo, hi], capsize=2, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    tail = [i for i, r in enumerate(geo.itertuples()) if (r.slot_kb, r.stages, r.ctas_per_sm) == (28, 7, 1)]
+    for i in tail:
+        ax.axvline(i, color="k", ls=":", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("bytes read / time, as a fraction of the copy bandwidth")
+    gpu = df.gpu.iloc[0] if "gpu" in df.columns else "GPU"
+    copy = f", copy {df.copy_GBps.iloc[0] / 1e3:.2f} TB/s" if "copy_GBps" in df.columns else ""
+    ax.set_title(title or f"A bulk-copy ring alone on the {gpu}{copy} (dotted: the tail ring's geometry)",
+                 fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
+    ax.grid(alpha=0.3, axis="y")
+    ax.figure.tight_layout()
+    return ax
+
+
 def plot_collectives_vs_emulation(df, ax=None, title: str | None = None):
     """One layer step on one rank with real collectives (one bar per all-reduce kind: NCCL, one-shot) beside the
     single-GPU emulation of the same rank, from `python -m kimi_decode.multi_gpu` CSVs (median µs, p10–p90 on

@@ -63,3 +63,22 @@ def test_rate_is_measured_and_checked_on_the_gpu():
                        replays=10, progress=False)
     assert len(df) == 4 and set(df.work) == {False, True} and df[df.work].checked.all()
     assert (df.achieved_GBps > 100).all() and (df.fraction_of_copy < 1.5).all()
+
+
+def test_ring_rate_plot_draws_both_consumer_modes_per_geometry():
+    """Structure only: a frame shaped like a `ring-rate` CSV (its fractions are test input, not measurements)
+    gives two bars per geometry, the copy line, and the tail ring's geometry marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from kimi_decode import plots
+    geos = kr.RING_RATE_GEOMETRIES
+    df = pd.DataFrame([dict(slot_kb=kb, stages=st, ctas_per_sm=c, work=w, us_median=20.0, us_p10=19.0, us_p90=22.0,
+                            fraction_of_copy=0.8, copy_GBps=3000.0, gpu="test GPU")
+                       for kb, st, c in geos for w in (False, True)])
+    ax = plots.plot_ring_rate(df)
+    assert len(ax.patches) == 2 * len(geos)
+    assert ax.get_legend_handles_labels()[1] == ["consumers release at once", "consumers run the row loop"]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert "28 KB × 7" in ticks and "28 KB × 3, 2 CTAs/SM" in ticks and "test GPU" in ax.get_title()
+    with pytest.raises(ValueError, match="not a ring-rate frame"):
+        plots.plot_ring_rate(df.drop(columns=["fraction_of_copy"]))
