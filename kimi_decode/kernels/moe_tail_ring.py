@@ -274,8 +274,9 @@ def build_tail_ring(key: MoETailRingKey):
 
 # ring geometries (rows per slot, slots, CTAs per SM) built ahead of time at TP8 with PDL besides the default
 # 4 x 7 ('tringRxS[cN]'): two CTAs per SM, each with its own producer lane (`ring_rate`'s question: is one lane
-# issuing one bulk copy after each release what bounds the ring?)
-TAIL_RING_GEOMETRIES = ((4, 3, 2), (2, 7, 2))
+# issuing one bulk copy after each release what bounds the ring? run 58: no); and 4 x 8, the deepest ring that
+# fits (224 KB of slots: more of W_up in flight before moe_down ends, which is what the ring gains in the graph)
+TAIL_RING_GEOMETRIES = ((4, 3, 2), (2, 7, 2), (4, 8, 1))
 
 
 def tail_ring_key(shape: MoEShape, geometry: tuple | None = None, pdl: bool = True,
