@@ -52,11 +52,12 @@ def run_ring_rate(keys: Iterable | None = None, mb: float | None = None, copies:
                 fn(b, o, arg)
             torch.cuda.synchronize()
             for b, o in zip(bufs, outs):
-                ref = b.float().view(nblocks, kr.RING_RATE_WARPS, -1).sum(-1)
+                quarters = b.float().view(nblocks, kr.RING_RATE_WARPS, -1)
+                ref = quarters.sum(-1)
                 if not torch.isfinite(o).all():
                     raise RuntimeError(f"{key}: some consumer warp did not write its sum")
                 err = (o - ref).abs().max().item()
-                bound = 1e-4 * b.float().view(nblocks, kr.RING_RATE_WARPS, -1).abs().sum(-1).max().item()
+                bound = 1e-4 * quarters.abs().sum(-1).max().item()
                 if err > bound:
                     raise RuntimeError(f"{key}: sums differ from the reference by {err:.3g} (bound {bound:.3g})")
         t = time_graph([lambda b=b, o=o: fn(b, o, arg) for b, o in zip(bufs, outs)], replays=replays)

@@ -10,4 +10,4 @@ does not need the CuTe DSL compiler.
 from . import attn_res, gemv, mma_rate, moe, moe_front_ring, moe_pipe, moe_tail_ring, ring_rate  # noqa: F401  (registers the kernels)
 
 # entry points: kimi_decode.kernels.gemv.gemv, kimi_decode.kernels.attn_res.attn_res_fused
-__all__ = ["attn_res", "gemv", "mma_rate", "moe", "moe_front_ring", "moe_pipe", "moe_tail_ring"]
+__all__ = ["attn_res", "gemv", "mma_rate", "moe", "moe_front_ring", "moe_pipe", "moe_tail_ring", "ring_rate"]

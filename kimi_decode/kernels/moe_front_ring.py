@@ -27,7 +27,7 @@ from typing import ClassVar
 from .. import compile as kc
 from .moe import D, E, MoEShape, _routing_fakes, route_smem, route_smem_bytes, route_tokens, shapes_for_tp
 from .moe_pipe import H200_SMS
-from .moe_tail_ring import SMEM_MAX, RingGeometry, ring_row_dot, stream_row_blocks
+from .moe_tail_ring import SMEM_MAX, RingGeometry, init_ring_barriers, ring_row_dot, ring_smem, stream_row_blocks
 
 ROUTE_WARPS = 4  # the routing warps of every CTA (one token: warp 0 of them routes, all four build the tables)
 ROUTE_BARRIER = 2  # their named barrier (1: the consumer warps')
@@ -83,10 +83,7 @@ def build_front_ring(key: MoEFrontRingKey):
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
-        ring = smem.allocate_tensor(Int32, cute.make_layout((ST, RS, WORDS), stride=(RS * WORDS, WORDS, 1)),
-                                    byte_alignment=128)
-        full = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
-        empty = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        ring, full, empty = ring_smem(smem, ST, RS, WORDS)
         rdone = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         xs = smem.allocate_tensor(Int32, cute.make_layout((WORDS,)), byte_alignment=16)
@@ -95,9 +92,7 @@ def build_front_ring(key: MoEFrontRingKey):
         nitems = (NB - bx + G - 1) // G  # row blocks bx, bx + G, ...
         nrouter = RS * cutlass.max((NRB - bx + G - 1) // G, Int32(0))  # router rows among them
         if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(full.iterator + s, 1)
-                cute.arch.mbarrier_init(empty.iterator + s, RS)
+            init_ring_barriers(full, empty, ST, RS)
             cute.arch.mbarrier_init(rdone.iterator, cutlass.max(nrouter, Int32(1)))
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()

@@ -34,7 +34,7 @@ SM_REGISTERS = 65536
 
 
 class RingGeometry:
-    """What the two ring keys share (`MoETailRingKey` here, `moe_front_ring.MoEFrontRingKey`): slots of
+    """What the ring keys share (`MoETailRingKey` here, `moe_front_ring.MoEFrontRingKey`, `ring_rate.RingRateKey`): slots of
     `rows_per_stage` weight rows of ROW_ELEMS bf16 (one row per consumer warp, one bulk copy per slot), `stages`
     slots, and the checks on that geometry, made before any build."""
     ROW_ELEMS: ClassVar[int]
@@ -53,12 +53,12 @@ class RingGeometry:
             raise ValueError("rows_per_stage is the consumer warp count: 1..16")
         if smem_bytes > SMEM_MAX:
             raise ValueError(f"{self.stages} slots of {self.rows_per_stage} rows need {smem_bytes} B of shared "
-                             f"memory, over {SMEM_MAX}")
+                             f"memory, over {SMEM_MAX}: they do not fit a CTA")
         if self.ctas not in (H200_SMS, 2 * H200_SMS):
             raise ValueError(f"ctas must be {H200_SMS} (one per SM) or {2 * H200_SMS} (two), got {self.ctas}")
         if self.ctas_per_sm * (smem_bytes + CTA_RESERVED_SMEM) > SM_SMEM:
-            raise ValueError(f"{self.ctas_per_sm} CTAs per SM of {smem_bytes} B of shared memory each need more "
-                             f"shared memory than the SM's {SM_SMEM} B")
+            raise ValueError(f"{self.ctas_per_sm} CTAs per SM of {smem_bytes} B of shared memory each do not fit "
+                             f"the SM's {SM_SMEM} B")
 
     @property
     def ctas_per_sm(self) -> int:
@@ -144,6 +144,30 @@ def stream_row_blocks():
     return _STREAM
 
 
+def ring_smem(smem, stages: int, rows: int, words: int):
+    """(traced where it is called) a ring's shared memory from `smem` (a `cutlass.utils.SmemAllocator`): `stages`
+    slots of `rows` rows of `words` int32 (128-byte aligned, the target of one bulk copy each), and a full and an
+    empty mbarrier per slot. Returns (ring, full, empty)."""
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    ring = smem.allocate_tensor(Int32, cute.make_layout((stages, rows, words), stride=(rows * words, words, 1)),
+                                byte_alignment=128)
+    full = smem.allocate_tensor(Int64, cute.make_layout((stages,)), byte_alignment=8)
+    empty = smem.allocate_tensor(Int64, cute.make_layout((stages,)), byte_alignment=8)
+    return ring, full, empty
+
+
+def init_ring_barriers(full, empty, stages: int, consumers: int):
+    """(traced, by one thread) full[s] completes on the producer's one arrival and its bytes, empty[s] on one arrival
+    per consumer warp; the caller adds its own mbarriers and then `mbarrier_init_fence`."""
+    import cutlass.cute as cute
+
+    for s in range(stages):
+        cute.arch.mbarrier_init(full.iterator + s, 1)
+        cute.arch.mbarrier_init(empty.iterator + s, consumers)
+
+
 def ring_row_dot(gR, slot, warp, lane, nch, unpack, x_chunk, x_pair):
     """(traced where it is called, inside a ring kernel) the consumer warp's dot product of its row of a full slot
     against x: chunk lane + 32 i (16 bytes, 8 bf16 weights) of the row for i < nch, unpacked by `unpack`, against
@@ -167,7 +191,7 @@ def ring_row_dot(gR, slot, warp, lane, nch, unpack, x_chunk, x_pair):
 def build_tail_ring(key: MoETailRingKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+    from cutlass import BFloat16, Float32, Int32, const_expr
 
     from .ptx_ops import bf16x2_to_f32, bf16x2_to_f32_here
 
@@ -197,16 +221,11 @@ def build_tail_ring(key: MoETailRingKey):
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
-        ring = smem.allocate_tensor(Int32, cute.make_layout((ST, RS, WORDS), stride=(RS * WORDS, WORDS, 1)),
-                                    byte_alignment=128)
-        full = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
-        empty = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        ring, full, empty = ring_smem(smem, ST, RS, WORDS)
         shs = smem.allocate_tensor(Float32, cute.make_layout((NI * RS,)), byte_alignment=16)
         nitems = (NB - bx + G - 1) // G  # row blocks bx, bx + G, ...
         if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(full.iterator + s, 1)
-                cute.arch.mbarrier_init(empty.iterator + s, RS)
+            init_ring_barriers(full, empty, ST, RS)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp == RS:  # the producer: W_up does not depend on moe_down, so the ring fills before the wait
@@ -298,5 +317,5 @@ TAIL_RING = kc.register(kc.KernelSpec(name="moe_tail_ring", module=__name__, key
                                       build=build_tail_ring, aot_keys=_aot_keys,
                                       ptx_checks=("cp.async.bulk", "mbarrier")))
 
-__all__ = ["RingGeometry", "ring_row_dot", "MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key",
+__all__ = ["RingGeometry", "ring_smem", "init_ring_barriers", "ring_row_dot", "MoETailRingKey", "tail_ring_smem_bytes", "stream_row_blocks", "TAIL_RING", "COTAIL_GEOMETRY", "cotail_key",
            "TAIL_RING_GEOMETRIES", "tail_ring_key"]

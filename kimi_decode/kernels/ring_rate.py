@@ -18,14 +18,13 @@ from dataclasses import dataclass
 
 from .. import compile as kc
 from .moe_pipe import H200_SMS
-from .moe_tail_ring import SMEM_MAX, ring_row_dot, stream_row_blocks
+from .moe_tail_ring import RingGeometry, init_ring_barriers, ring_row_dot, ring_smem, stream_row_blocks
 
 RING_RATE_WARPS = 4  # consumer warps per CTA (each takes a quarter of a slot, as one W_up row of the tail ring)
-SM_SMEM = 233472  # shared memory per SM on sm_90 (228 KB), less 1 KB kept per resident CTA
 
 
 @dataclass(frozen=True)
-class RingRateKey:
+class RingRateKey(RingGeometry):
     slot_kb: int = 28  # KB per slot (one bulk copy): the tail ring's 4 rows of 7 KB
     stages: int = 7  # slots per CTA
     ctas: int = H200_SMS  # persistent CTAs in the grid
@@ -37,20 +36,23 @@ class RingRateKey:
                              f"divide it), got {self.slot_kb}")
         if not 2 <= self.stages <= 16:
             raise ValueError(f"stages must be 2..16, got {self.stages}")
-        if self.ctas not in (H200_SMS, 2 * H200_SMS):
-            raise ValueError(f"ctas must be {H200_SMS} (one per SM) or {2 * H200_SMS} (two), got {self.ctas}")
-        per_sm = self.ctas // H200_SMS
-        if ring_rate_smem_bytes(self) > SMEM_MAX or per_sm * (ring_rate_smem_bytes(self) + 1024) > SM_SMEM:
-            raise ValueError(f"{self.stages} slots of {self.slot_kb} KB at {per_sm} CTA(s) per SM do not fit "
-                             f"the SM's shared memory")
+        self.check_geometry({}, ring_rate_smem_bytes(self))
+
+    @property
+    def rows_per_stage(self) -> int:  # a slot's "rows" are the consumer warps' quarters
+        return RING_RATE_WARPS
+
+    @property
+    def ROW_ELEMS(self) -> int:  # noqa: N802  (RingGeometry's name)
+        return self.slot_kb * 1024 // RING_RATE_WARPS // 2
 
     @property
     def slot_bytes(self) -> int:
-        return self.slot_kb * 1024
+        return self.stage_bytes
 
     @property
     def kb_in_flight_per_sm(self) -> int:
-        return self.slot_kb * self.stages * (self.ctas // H200_SMS)
+        return self.slot_kb * self.stages * self.ctas_per_sm
 
 
 def ring_rate_smem_bytes(key: RingRateKey) -> int:
@@ -60,7 +62,7 @@ def ring_rate_smem_bytes(key: RingRateKey) -> int:
 def build_ring_rate(key: RingRateKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int32
 
     from .ptx_ops import bf16x2_to_f32
 
@@ -78,17 +80,12 @@ def build_ring_rate(key: RingRateKey):
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
-        ring = smem.allocate_tensor(Int32, cute.make_layout((ST, C, WORDS), stride=(C * WORDS, WORDS, 1)),
-                                    byte_alignment=128)
-        full = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
-        empty = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
+        ring, full, empty = ring_smem(smem, ST, C, WORDS)
         nblocks = mArg[0]
         work = mArg[1]
         nitems = (nblocks - bx + G - 1) // G  # blocks bx, bx + G, ...
         if tid == 0:
-            for s in cutlass.range_constexpr(ST):
-                cute.arch.mbarrier_init(full.iterator + s, 1)
-                cute.arch.mbarrier_init(empty.iterator + s, C)
+            init_ring_barriers(full, empty, ST, C)
             cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
         if warp == C:
