@@ -62,6 +62,22 @@ def check_moe_input(weights: LayerWeights, x: torch.Tensor) -> None:
     km.check_scales(w.w1_scale, w.w3_scale, w.w2_scale)
 
 
+def check_flag_handshake(up_key, down_key) -> None:
+    """'dflag' is one option of both pipelined expert kernels: moe_up's CTAs count themselves done and moe_down
+    waits for as many as its own launch has. Refuses (ValueError) keys that disagree or differ in CTA count."""
+    from .kernels import moe_pipe as kp
+
+    up = isinstance(up_key, kp.MoEUpPipeKey) and up_key.done_flag
+    down = isinstance(down_key, kp.MoEDownPipeKey) and down_key.flag_wait
+    if up != down:
+        raise ValueError("dflag needs both pipelined expert kernels: moe_up counting its CTAs done and moe_down "
+                         f"waiting on that count (got moe_up {type(up_key).__name__} done_flag={up}, moe_down "
+                         f"{type(down_key).__name__} flag_wait={down})")
+    if up and up_key.ctas != down_key.ctas:
+        raise ValueError(f"dflag: moe_down waits for as many moe_up CTAs as it has itself ({down_key.ctas}), "
+                         f"but moe_up launches {up_key.ctas}")
+
+
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
                        arch: str = "sm_90a", trace: bool = False):
     """(moe_up key, moe_down key, variant name) of the fused MoE half for `tokens` tokens per step; refuses
@@ -92,6 +108,7 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             cap = min(kp.down_pipe_capacity(down_key), up_key.max_tokens)
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
+    check_flag_handshake(up_key, down_key)
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its expert kernels hold {cap} tokens)")

@@ -1417,3 +1417,63 @@ def test_z_swizzle_puts_a_quarter_warps_b_loads_on_distinct_banks(compiler):
     res = kc.resource_usage(up)
     assert res["STACK"] == 0 and res["LOCAL"] == 0
     assert kp.up_pipe_smem_bytes(up) + res["SHARED"] <= 227 * 1024
+
+
+def test_dflag_handshake_parses_names_and_compiles(compiler):
+    """'dflag': moe_up's CTAs count themselves done (a gpu-scope fence, then a release add on meta[DONE_FLAG]) and
+    moe_down's thread 0 polls that counter with acquire loads instead of griddepcontrol.wait, then orders its bulk
+    copies of a after it (fence.proxy.async); the last CTA past it re-arms both words. Parsed into both keys,
+    named, built ahead of time with and without PDL, no spills."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("dflag") == (dict(done_flag=True), dict(flag_wait=True))
+    assert kp.parse_pipe_variant("dflag0") == (dict(done_flag=False), dict(flag_wait=False))
+    up, down = kp.MoEUpPipeKey(s, done_flag=True), kp.MoEDownPipeKey(s, flag_wait=True)
+    assert kp.pipe_variant_name(up, down) == "dflag"
+    for p in (True, False):
+        assert kp.MoEUpPipeKey(s, done_flag=True, pdl=p) in kp.UP_PIPE.aot_keys("sm_90a")
+        assert kp.MoEDownPipeKey(s, flag_wait=True, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
+    up_ptx, down_ptx = kc.ptx_text(up), kc.ptx_text(down)
+    assert up_ptx.count("atom.global.release.add.u32") == 1 and "fence.acq_rel.gpu" in up_ptx
+    assert "atom.global.release" not in kc.ptx_text(kp.MoEUpPipeKey(s))
+    assert "ld.acquire.gpu.global.b32" in down_ptx and "fence.proxy.async.global" in down_ptx
+    assert "griddepcontrol.wait" not in down_ptx and "griddepcontrol.wait" in kc.ptx_text(kp.MoEDownPipeKey(s))
+    for key in (up, down):
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+
+
+def test_dflag_needs_both_pipelined_kernels():
+    """The handshake is one option of both kernels: the parser cannot set one side alone, and the executor
+    refuses moe_up and moe_down keys that disagree or differ in CTA count (before any launch)."""
+    from kimi_decode.fused_moe import check_flag_handshake
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=True), kp.MoEDownPipeKey(s, flag_wait=True))
+    check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s))
+    with pytest.raises(ValueError, match="dflag"):
+        check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s, flag_wait=True))
+    with pytest.raises(ValueError, match="dflag"):
+        check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=True, ctas=66), kp.MoEDownPipeKey(s, flag_wait=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8])
+def test_dflag_steps_rearm_the_counter_and_match_the_default(w8, n):
+    """Three steps in a row with 'dflag': each gives the default's output up to summation order, and after
+    each the handshake's two words of meta are back at 0 (re-armed by the last moe_down CTA)."""
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(n, D, seed=200 + n, device="cuda")
+    a, b = FusedMoE(w8, x, variant="dflag"), FusedMoE(w8, x)
+    assert "dflag" in a.variant, a.variant
+    b()
+    for _ in range(3):
+        a.h.fill_(float("nan"))
+        a()
+        torch.cuda.synchronize()
+        assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
+        _same_up_to_summation_order(a.h, b.h)

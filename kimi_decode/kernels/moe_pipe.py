@@ -145,6 +145,9 @@ class MoEUpPipeKey:
     # slot although it was requested three items earlier, as if each SM received its ring at about 20 GB/s with 3
     # slots in flight; a fourth in flight tests that
     max_tokens: int = PIPE_MAX_M
+    # 'dflag' (with MoEDownPipeKey.flag_wait): at its end each CTA, after a gpu-scope fence and a CTA barrier, adds
+    # 1 to meta[DONE_FLAG] (release), so that moe_down can start on a counter instead of on this grid's completion
+    done_flag: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -390,6 +393,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     EARLY = key.early_slots
     assert 0 <= EARLY <= ST
     NB = 2 if EPI else 1  # buffers of the K partials
+    DFLAG = key.done_flag
     ZL = key.z_last
     SLOT_W = 2 * WS_BYTES  # bytes of a slot's W1 and W3 rows: z (fp32) fills whole slots from the ring's end
     assert PRO or not ZL, "z_last stages z in the ring: it needs the merged prologue"
@@ -754,6 +758,11 @@ def build_up_pipe(key: MoEUpPipeKey):
         if const_expr(TR):  # with the epilogue warp, its last reduction may still be running
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
+        if const_expr(DFLAG):  # every thread's a rows, shared SiTU and zeroing are out: count this CTA done
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tid == 0:
+                cute.arch.atomic_add(mMeta.iterator + DONE_FLAG, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -867,6 +876,11 @@ class MoEDownPipeKey:
     # At one token ('downmax1', implied by the fused front option 'cotail') moe_down needs about 113 KB instead of
     # 217 KB, which leaves room on each SM for a tail CTA that streams W_up while moe_down still runs
     max_tokens: int = PIPE_MAX_M
+    # 'dflag': thread 0 waits for moe_up's CTAs (as many as this launch's) on the counter meta[DONE_FLAG] (acquire,
+    # polled) instead of griddepcontrol.wait, which returns only once the whole moe_up grid has completed and its
+    # memory is flushed: in run 46's timeline 0.8-1.3 µs after moe_up's last CTA ended. The last CTA past the
+    # counter (meta[PASS_COUNT]) re-arms both for the next step. Needs moe_up's done_flag and the same CTA count
+    flag_wait: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -954,6 +968,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     PRO, PROD, SWAP, LATE, AFL = key.prologue, key.producer_warp, key.swap_shared, key.late_trigger, key.async_flush
     FENCE, FW = key.proxy_fence, key.flush_warp
     LAZY = key.lazy_flush and not AFL
+    FLAGW = key.flag_wait
     PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
     assert not (FW and (AFL or key.lazy_flush)), "the flush warp replaces aflush and lazy"
@@ -1344,7 +1359,15 @@ def build_down_pipe(key: MoEDownPipeKey):
                     pf(base + Int64(k) * PF_CHUNK, cutlass.min(PF_CHUNK, PT_BYTES - k * PF_CHUNK))
         for idx in cutlass.range(tid, MXT * ACC_W, THREADS):
             acc[idx // ACC_W, idx % ACC_W] = Float32(0.0)
-        if const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
+        if const_expr(FLAGW):  # ('dflag') moe_up's CTAs counted done, instead of its grid's completion
+            if tid == 0:
+                done = cute.arch.load(mMeta.iterator + DONE_FLAG, Int32, sem="acquire", scope="gpu")
+                while done < G:
+                    done = cute.arch.load(mMeta.iterator + DONE_FLAG, Int32, sem="acquire", scope="gpu")
+                cute.arch.fence_proxy("async.global")  # a and a_sh, written by generic stores, read by bulk copies
+            if const_expr(not PRO):  # every thread reads a with generic loads
+                cute.arch.barrier()
+        elif const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
         if const_expr(TR):
             if tid == 0:
@@ -1556,6 +1579,12 @@ def build_down_pipe(key: MoEDownPipeKey):
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, TRACE_SLOTS - 1)
+        if const_expr(FLAGW):  # the last CTA past the counter re-arms it (the next moe_up runs after the tail)
+            if tid == 0:
+                passed = cute.arch.atomic_add(mMeta.iterator + PASS_COUNT, Int32(1), sem="relaxed", scope="gpu")
+                if passed == G - 1:
+                    mMeta[DONE_FLAG] = Int32(0)
+                    mMeta[PASS_COUNT] = Int32(0)
 
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
@@ -1599,12 +1628,15 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1")
+                "downmax1", "dflag")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35",)
+TRACE_VARIANTS = ("run35", "dflag")  # dflag: where its wait returns against moe_up's CTA ends
 
+
+# meta's words of the 'dflag' handshake ([0] active experts and [1] the router-row counter are the routing's)
+DONE_FLAG, PASS_COUNT = 2, 3
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
 _SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
@@ -1633,7 +1665,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     and the epilogue warp only) [off], f16 (moe_up's codes placed as E4M3, unpacked to f16 for f16 mma.sync, z in
     f16, the scales applied per 32-code group after the mma; needs pro, not with bal) [off], zswz (moe_up's staged z
     rows padded and their chunks swizzled against bank conflicts; not with f16) [off],
-    pf (moe_up prefetches moe_down's bytes into L2) [off], tailN (moe_down prefetches the tail's last N W_up
+    pf (moe_up prefetches moe_down's bytes into L2) [off], dflag (moe_up's CTAs count themselves done on a counter
+    that moe_down polls instead of griddepcontrol.wait) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
@@ -1656,6 +1689,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
+        elif m := re.fullmatch(r"dflag([01]?)", tok):
+            up["done_flag"] = down["flag_wait"] = m.group(1) != "0"
         elif tok == "f16":
             up["fp16"] = True
         elif tok == "zswz":
@@ -1694,7 +1729,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), dflag (moe_down starts on a counter of finished moe_up CTAs), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1753,6 +1788,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
         parts.append("pf1")
+    if up.done_flag:
+        parts.append("dflag")
     down_fence = down.proxy_fence if isinstance(down, MoEDownPipeKey) else up.proxy_fence
     if not up.proxy_fence:
         parts.append("fence0" if not down_fence else "upfence0")
