@@ -95,3 +95,19 @@ def test_provenance_names_the_bundle_compiler_without_one_installed(tmp_path, mo
     assert bench.bundle_compiler_version() == ""
     monkeypatch.delenv("KIMI_DECODE_ARTIFACTS")
     assert bench.bundle_compiler_version() == ""
+
+
+def test_bundle_limit_is_what_the_device_call_leaves_beside_the_tree(tmp_path):
+    """The offline bundle may take the device call's 64 MiB less the checkout's carried files (git's tracked and
+    untracked, not ignored); outside a git checkout the fixed fallback."""
+    import subprocess
+
+    from kimi_decode import bundle as b
+    assert b.bundle_limit_mib(tmp_path) == b.BUNDLE_LIMIT_MB  # no git here
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "a.bin").write_bytes(b"x" * 2**20)
+    (tmp_path / ".gitignore").write_text("ignored.bin\n")
+    (tmp_path / "ignored.bin").write_bytes(b"x" * 3 * 2**20)
+    tree = b.tree_mib(tmp_path)
+    assert 1.0 < tree < 1.01, tree
+    assert abs(b.bundle_limit_mib(tmp_path) - (b.DEVICE_CARRY_MB - tree)) < 1e-9
