@@ -67,7 +67,7 @@ def check_flag_handshake(up_key, down_key) -> None:
     waits for as many as its own launch has. Refuses (ValueError) keys that disagree or differ in CTA count."""
     from .kernels import moe_pipe as kp
 
-    up = isinstance(up_key, kp.MoEUpPipeKey) and up_key.done_flag
+    up = isinstance(up_key, kp.MoEUpPipeKey) and up_key.done_flag != 0
     down = isinstance(down_key, kp.MoEDownPipeKey) and down_key.flag_wait
     if up != down:
         raise ValueError("dflag needs both pipelined expert kernels: moe_up counting its CTAs done and moe_down "

@@ -1428,21 +1428,33 @@ def test_dflag_handshake_parses_names_and_compiles(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    assert kp.parse_pipe_variant("dflag") == (dict(done_flag=True), dict(flag_wait=True))
-    assert kp.parse_pipe_variant("dflag0") == (dict(done_flag=False), dict(flag_wait=False))
-    up, down = kp.MoEUpPipeKey(s, done_flag=True), kp.MoEDownPipeKey(s, flag_wait=True)
-    assert kp.pipe_variant_name(up, down) == "dflag"
+    assert kp.parse_pipe_variant("dflag") == (dict(done_flag=1), dict(flag_wait=True))
+    assert kp.parse_pipe_variant("dflagt") == (dict(done_flag=2), dict(flag_wait=True))
+    assert kp.parse_pipe_variant("dflag0") == (dict(done_flag=0), dict(flag_wait=False))
+    down = kp.MoEDownPipeKey(s, flag_wait=True)
+    for mode, name in ((1, "dflag"), (2, "dflagt")):
+        up = kp.MoEUpPipeKey(s, done_flag=mode)
+        assert kp.pipe_variant_name(up, down) == name and kp.parse_pipe_variant(name)[0]["done_flag"] == mode
+        for p in (True, False):
+            assert kp.MoEUpPipeKey(s, done_flag=mode, pdl=p) in kp.UP_PIPE.aot_keys("sm_90a")
+        up_ptx = kc.ptx_text(up)
+        assert up_ptx.count("atom.global.release.add.u32") == 1 and up_ptx.count("fence.acq_rel.gpu") == 1
+        res = kc.resource_usage(up)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (up, res)
     for p in (True, False):
-        assert kp.MoEUpPipeKey(s, done_flag=True, pdl=p) in kp.UP_PIPE.aot_keys("sm_90a")
         assert kp.MoEDownPipeKey(s, flag_wait=True, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
-    up_ptx, down_ptx = kc.ptx_text(up), kc.ptx_text(down)
-    assert up_ptx.count("atom.global.release.add.u32") == 1 and "fence.acq_rel.gpu" in up_ptx
+    # dflagt: thread 0 alone fences, after the CTA barrier (the fence sits under the tid == 0 branch)
+    t_ptx = kc.ptx_text(kp.MoEUpPipeKey(s, done_flag=2))
+    tail = t_ptx[t_ptx.rindex("bar.sync"):]
+    assert "fence.acq_rel.gpu" in tail and "atom.global.release.add.u32" in tail
+    f_ptx = kc.ptx_text(kp.MoEUpPipeKey(s, done_flag=1))
+    assert "fence.acq_rel.gpu" not in f_ptx[f_ptx.rindex("bar.sync"):]
+    up, down_ptx = kp.MoEUpPipeKey(s, done_flag=1), kc.ptx_text(down)
     assert "atom.global.release" not in kc.ptx_text(kp.MoEUpPipeKey(s))
     assert "ld.acquire.gpu.global.b32" in down_ptx and "fence.proxy.async.global" in down_ptx
     assert "griddepcontrol.wait" not in down_ptx and "griddepcontrol.wait" in kc.ptx_text(kp.MoEDownPipeKey(s))
-    for key in (up, down):
-        res = kc.resource_usage(key)
-        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+    res = kc.resource_usage(down)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, (down, res)
 
 
 def test_dflag_needs_both_pipelined_kernels():
@@ -1452,24 +1464,25 @@ def test_dflag_needs_both_pipelined_kernels():
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=True), kp.MoEDownPipeKey(s, flag_wait=True))
+    check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=1), kp.MoEDownPipeKey(s, flag_wait=True))
     check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s))
     with pytest.raises(ValueError, match="dflag"):
         check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s, flag_wait=True))
     with pytest.raises(ValueError, match="dflag"):
-        check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=True, ctas=66), kp.MoEDownPipeKey(s, flag_wait=True))
+        check_flag_handshake(kp.MoEUpPipeKey(s, done_flag=2, ctas=66), kp.MoEDownPipeKey(s, flag_wait=True))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dflag", "dflagt"])
 @pytest.mark.parametrize("n", [1, 8])
-def test_dflag_steps_rearm_the_counter_and_match_the_default(w8, n):
+def test_dflag_steps_rearm_the_counter_and_match_the_default(w8, n, variant):
     """Three steps in a row with 'dflag': each gives the default's output up to summation order, and after
     each the handshake's two words of meta are back at 0 (re-armed by the last moe_down CTA)."""
     from kimi_decode.kernels import moe_pipe as kp
     from kimi_decode.moe_bench import moe_input
     x = moe_input(n, D, seed=200 + n, device="cuda")
-    a, b = FusedMoE(w8, x, variant="dflag"), FusedMoE(w8, x)
-    assert "dflag" in a.variant, a.variant
+    a, b = FusedMoE(w8, x, variant=variant), FusedMoE(w8, x)
+    assert variant in a.variant, a.variant
     b()
     for _ in range(3):
         a.h.fill_(float("nan"))
