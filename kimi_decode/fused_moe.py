@@ -253,7 +253,7 @@ class FusedMoE:
         self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_BUF, dtype=torch.int64, device=dev)
         self.trace_down = torch.zeros_like(self.trace_up)
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
-        down_extra = (w.up, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
+        down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",

@@ -1490,3 +1490,29 @@ def test_dflag_steps_rearm_the_counter_and_match_the_default(w8, n, variant):
         torch.cuda.synchronize()
         assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
         _same_up_to_summation_order(a.h, b.h)
+
+
+def test_sfirst_runs_shared_items_before_the_wait(compiler):
+    """'sfirst': moe_down computes a_shared from the front's fp32 output (tanh of the SiTU in its prologue), requests
+    its whole ring and runs its shared items before waiting for moe_up; the wait (and a fallback for a CTA without
+    expert items or the flush warps) comes at its first expert item, and a_shared is no longer bulk-copied.
+    Parsed, named, built ahead of time with and without PDL (and as a timeline build), no spills."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("sfirst") == ({}, dict(shared_first=True))
+    key = kp.MoEDownPipeKey(s, shared_first=True)
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), key) == "sfirst"
+    for p in (True, False):
+        assert kp.MoEDownPipeKey(s, shared_first=True, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
+        assert kp.MoEDownPipeKey(s, shared_first=True, pdl=p, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
+    ptx, base = kc.ptx_text(key), kc.ptx_text(kp.MoEDownPipeKey(s))
+    assert ptx.count("griddepcontrol.wait") == 2 and base.count("griddepcontrol.wait") == 1
+    assert "tanh.approx" in ptx or "ex2.approx" in ptx  # the SiTU, computed here
+    # the bulk copies of the prologue: a_shared's is gone (a and the routing tables remain)
+    assert ptx.count("cp.async.bulk.shared::cluster.global") == base.count("cp.async.bulk.shared::cluster.global") - 1
+    res = kc.resource_usage(key)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+    with pytest.raises(AssertionError, match="sfirst"):
+        kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=True, flush_warp=False))

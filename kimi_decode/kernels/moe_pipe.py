@@ -888,6 +888,12 @@ class MoEDownPipeKey:
     # memory is flushed: in run 46's timeline 0.8-1.3 µs after moe_up's last CTA ended. The last CTA past the
     # counter (meta[PASS_COUNT]) re-arms both for the next step. Needs moe_up's done_flag and the same CTA count
     flag_wait: bool = False
+    # 'sfirst': each CTA runs its shared items before its expert items. The shared items need only a_shared, which
+    # this kernel computes itself (the SiTU of the front's fp32 gate/up pre-activations, as moe_up does) and the
+    # shared down projection: so they run before the wait for moe_up, while the front is long complete, and the
+    # wait and a's staging come at the first expert item. In run 61's timeline a CTA spent about 3 µs from its
+    # start to its first item (wait, staging) while its shared items take about 0.64 µs each
+    shared_first: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -976,6 +982,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     FENCE, FW = key.proxy_fence, key.flush_warp
     LAZY = key.lazy_flush and not AFL
     FLAGW = key.flag_wait
+    SF = key.shared_first
+    assert not SF or (PRO and FW and not FLAGW), "sfirst needs the merged prologue and the flush warps, not dflag"
+    SH0, BETA, BETA_LIN = sh.sh0, sh.beta, sh.beta_lin
     PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
     assert not (FW and (AFL or key.lazy_flush)), "the flush warp replaces aflush and lazy"
@@ -1046,7 +1055,7 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     @cute.jit
     def bulk_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
-                  M: Int32, tid: Int32):
+                  M: Int32, tid: Int32, NTH: Constexpr = THREADS, ASH: Constexpr = True):
         """(all threads, inlined; 'pro') a (every (expert, token) pair's row) and a_shared into shared memory in
         one bulk round trip (phase 0 of pbar's second mbarrier: the tables' is not re-armed, since a thread
         re-arming it could complete its next phase before a slower thread had seen the first, and no CTA barrier
@@ -1054,14 +1063,15 @@ def build_down_pipe(key: MoEDownPipeKey):
         values (0,4) (2,6) (1,5) (3,7) as bf16 pairs (bit-exact, no conversion)."""
         pb = pbar.iterator + 1
         if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + S * 2))
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + (S * 2 if ASH else 0)))
             b = pb.toint()
             bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
-            bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
+            if const_expr(ASH):  # ('sfirst' computes a_shared itself)
+                bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
         cute.arch.mbarrier_wait(pb, 0)
         sA4 = cute.zipped_divide(s_a, (1, 4))
         lo16, hi16 = Int32(0xFFFF), Int32(-65536)
-        for idx in cutlass.range(tid, M * TOPK * (I // 8), THREADS):
+        for idx in cutlass.range(tid, M * TOPK * (I // 8), NTH):
             i = idx // (I // 8)
             o = idx - i * (I // 8)
             w = sA4[(None, (i, o))].load()  # bf16 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7)
@@ -1261,7 +1271,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                     mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                     mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
-                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mTrace: cute.Tensor):
+                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -1338,6 +1348,11 @@ def build_down_pipe(key: MoEDownPipeKey):
         # lo_e + i + (i >= n_e) * jump, written out at its four uses: a helper closing over Int32 is refused by
         # the DSL (closure capture) and a module-level one recursed in its preprocessor
         jump = ne + lo_s - hi_e
+        # the i-th item is b0 + i + (i >= cut) * jmp: expert items first (cut = n_e), or ('sfirst') shared items first
+        if const_expr(SF):
+            b0, cut, jmp = ne + lo_s, hi_s - lo_s, lo_e - ne - hi_s
+        else:
+            b0, cut, jmp = lo_e, n_e, jump
         if const_expr(not PRO):
             stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
             cute.arch.barrier()
@@ -1353,10 +1368,10 @@ def build_down_pipe(key: MoEDownPipeKey):
             ring_init()(bars, ST)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
-        if tid == 0:
-            for s in cutlass.range_constexpr(EARLY):
+        if tid == 0:  # ('sfirst': the whole ring: no slot waits for moe_up)
+            for s in cutlass.range_constexpr(ST if SF else EARLY):
                 if s < n_items:
-                    issue(lo_e + s + Int32(s >= n_e) * jump, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                    issue(b0 + s + Int32(s >= cut) * jmp, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 1)
         if const_expr(PT > 0):  # the tail's last W_up rows into L2
@@ -1374,13 +1389,18 @@ def build_down_pipe(key: MoEDownPipeKey):
                 cute.arch.fence_proxy("async.global")  # a and a_sh, written by generic stores, read by bulk copies
             if const_expr(not PRO):  # every thread reads a with generic loads
                 cute.arch.barrier()
-        elif const_expr(PDL):  # a, a_sh and the zeroed latent partial come from moe_up
+        elif const_expr(PDL and not SF):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
-        if const_expr(TR):
+        if const_expr(TR and not SF):
             if tid == 0:
                 stamp(mTrace, bx, 2)
         sAs = cute.zipped_divide(s_ash, (1, 8))
-        if const_expr(PRO):
+        if const_expr(SF):  # a_shared from the front's pre-activations (complete before this launch), no wait
+            for idx in cutlass.range(tid, M * S, THREADS):
+                t = idx // S
+                cc = idx - t * S
+                s_ash[t, cc] = _situ(mF[t, SH0 + cc], mF[t, SH0 + S + cc], BETA, BETA_LIN).to(BFloat16)
+        elif const_expr(PRO):
             bulk_acts(mA, mAsh, s_a, s_ash, pbar, M, tid)
         else:
             gA = cute.zipped_divide(mA, (1, 8))
@@ -1395,12 +1415,12 @@ def build_down_pipe(key: MoEDownPipeKey):
                 sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that a is in
-            for s in cutlass.range_constexpr(EARLY, ST):
+            for s in cutlass.range_constexpr(ST if SF else EARLY, ST):
                 if s < n_items:
-                    issue(lo_e + s + Int32(s >= n_e) * jump, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                    issue(b0 + s + Int32(s >= cut) * jmp, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
                 stamp(mTrace, bx, 3)
-        if const_expr(PDL and LATE):  # a and the ring's requests are out: the tail's W_up loads may start now
+        if const_expr(PDL and LATE and not SF):  # a and the ring's requests are out: the tail's W_up may start now
             cute.arch.griddepcontrol_launch_dependents()
         g = lane // 4
         c = lane - 4 * g
@@ -1415,7 +1435,20 @@ def build_down_pipe(key: MoEDownPipeKey):
         nsw = Int32(0)  # (fwarp) row blocks handed to the flush warp so far; acc half nsw % 2 takes the sums
         n_loop = n_items * Int32(warp < FWARP) if FW else n_items  # (fwarp) the flush warp walks no items
         for i in cutlass.range(n_loop):
-            k = lo_e + i + Int32(i >= n_e) * jump
+            k = b0 + i + Int32(i >= cut) * jmp
+            ie = i  # the item's place in the CTA's run of expert items
+            if const_expr(SF):
+                ie = i - cut
+                if i == cut:  # the first expert item: now moe_up's a (the compute and producer warps)
+                    if const_expr(PDL):
+                        cute.arch.griddepcontrol_wait()
+                    if const_expr(TR):
+                        if tid == 0:
+                            stamp(mTrace, bx, 2)
+                    bulk_acts(mA, mAsh, s_a, s_ash, pbar, M, tid, MAIN, False)
+                    cute.arch.barrier(barrier_id=3, number_of_threads=MAIN)
+                    if const_expr(PDL and LATE):
+                        cute.arch.griddepcontrol_launch_dependents()
             slot = i % ST
             if k < ne:
                 rb = k // nact
@@ -1465,14 +1498,14 @@ def build_down_pipe(key: MoEDownPipeKey):
                     if i + ST < n_items:
                         if const_expr(FENCE):
                             cute.arch.fence_view_async_shared()
-                        issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                        issue(b0 + i + ST + Int32(i + ST >= cut) * jmp, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if const_expr(AFL):
                     apend = Int32(0)  # the compute warps synced on barrier 1 above if it was pending
                     if chk >= 0:  # the previous row block's flag, stored before this item's barrier
                         if flag[chk % 2] != 0:
                             allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
                         chk = Int32(-1)
-                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
+                    if ie + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if warp == WARPS:  # the producer warp, while the compute warps go on
                             flush_rows(rb, k + 1 - cutlass.max(lo_e, rb * nact), nact, acc, flag, mLat, mCnt, M,
                                        lane, bx, mTrace)
@@ -1484,7 +1517,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                                            bx, mTrace, False)
                         pend = Int32(-1)
                 if const_expr(FW):  # hand a finished row block to the flush warp (barriers by parity, see flusher)
-                    if i + 1 == n_e or (k + 1) // nact != rb:
+                    if ie + 1 == n_e or (k + 1) // nact != rb:
                         if nsw % 2 == 0:
                             cute.arch.barrier_arrive(barrier_id=4, number_of_threads=MAIN + FW_THREADS)
                         else:
@@ -1496,7 +1529,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                                 cute.arch.barrier(barrier_id=6, number_of_threads=MAIN + FW_THREADS)
                         nsw = nsw + 1
                 if const_expr(not AFL and not FW):  # every thread adds its share of the row block's sum at once
-                    if i + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
+                    if ie + 1 == n_e or (k + 1) // nact != rb:  # this CTA's last item of the row block
                         if const_expr(TR):
                             if tid == 0:
                                 stamp(mTrace, bx, 4 + 2 * TRACE_ITEMS)
@@ -1557,7 +1590,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     if i + ST < n_items:
                         if const_expr(FENCE):
                             cute.arch.fence_view_async_shared()
-                        issue(lo_e + i + ST + Int32(i + ST >= n_e) * jump, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
+                        issue(b0 + i + ST + Int32(i + ST >= cut) * jmp, slot, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
                 if const_expr(AFL):
                     if chk >= 0:  # the last row block's flag, stored before this item's barrier
                         if flag[chk % 2] != 0:
@@ -1580,6 +1613,9 @@ def build_down_pipe(key: MoEDownPipeKey):
             if chk >= 0:
                 if flag[chk % 2] != 0:
                     allreduce_rows(chk, sq, mLat, mCoef, mR, mNorm, mSsq, mCnt, M, tid, bx, mTrace, False)
+        if const_expr(SF and PDL):  # a CTA without expert items (or the flush warps) has not waited yet
+            if warp >= FWARP or n_e == 0:
+                cute.arch.griddepcontrol_wait()
         if const_expr(FW):
             if warp >= FWARP:
                 flusher(lo_e, hi_e, nact, acc, flag, mLat, mCoef, mCnt, mR, mNorm, mSsq, M, tid - MAIN, bx, mTrace)
@@ -1597,9 +1633,9 @@ def build_down_pipe(key: MoEDownPipeKey):
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
                   mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor,
-                  mSsq: cute.Tensor, mWup: cute.Tensor, mTrace: cute.Tensor, stream):
+                  mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor, stream):
         down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
-                    mWup, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
+                    mWup, mF, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
                                  use_pdl=PDL, **carveout)
 
     return down_host, down_pipe_args(sh, NBD)
@@ -1607,14 +1643,16 @@ def build_down_pipe(key: MoEDownPipeKey):
 
 def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
     """Compile-time stand-ins of the pipelined moe_down's arguments: the direct kernel's
-    (`moe.expert_down_args`), then the tail's W_up (whose last rows it may prefetch into L2), the timeline
-    buffer (`trace_arg`), then the stream."""
+    (`moe.expert_down_args`), then the tail's W_up (whose last rows it may prefetch into L2), the front kernel's
+    fp32 output (whose shared gate/up pre-activations 'sfirst' reads), the timeline buffer (`trace_arg`), then
+    the stream."""
     import cutlass.cute as cute
-    from cutlass import BFloat16
+    from cutlass import BFloat16, Float32
 
+    fake = cute.runtime.make_fake_compact_tensor
     *head, stream = expert_down_args(sh, row_blocks)
-    return (*head, cute.runtime.make_fake_compact_tensor(BFloat16, (D, L), stride_order=(1, 0), assumed_align=16),
-            trace_arg(), stream)
+    return (*head, fake(BFloat16, (D, L), stride_order=(1, 0), assumed_align=16),
+            fake(Float32, (cute.sym_int(), sh.ncat), stride_order=(1, 0), assumed_align=16), trace_arg(), stream)
 
 
 # --------------------------------------------------------------------------- registry
@@ -1635,11 +1673,11 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1", "dflag", "dflagt")
+                "downmax1", "dflag", "dflagt", "sfirst")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35", "dflagt")  # dflagt: where its wait returns against moe_up's CTA ends (dflag's: run 61)
+TRACE_VARIANTS = ("run35", "sfirst")  # sfirst: its items before the wait (dflag's and dflagt's: runs 61, 62)
 
 
 # meta's words of the 'dflag' handshake ([0] active experts and [1] the router-row counter are the routing's)
@@ -1673,7 +1711,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     f16, the scales applied per 32-code group after the mma; needs pro, not with bal) [off], zswz (moe_up's staged z
     rows padded and their chunks swizzled against bank conflicts; not with f16) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], dflag / dflagt (moe_up's CTAs count themselves done on a
-    counter that moe_down polls instead of griddepcontrol.wait; every thread fences / thread 0 alone) [off], tailN (moe_down prefetches the tail's last N W_up
+    counter that moe_down polls instead of griddepcontrol.wait; every thread fences / thread 0 alone) [off], sfirst
+    (moe_down computes a_shared from the front's output and runs its shared items before waiting for moe_up) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
@@ -1696,6 +1735,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
+        elif m := re.fullmatch(r"sfirst([01]?)", tok):
+            down["shared_first"] = m.group(1) != "0"
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
@@ -1737,7 +1778,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), sfirst (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1839,6 +1880,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append("fwarp" if down.flush_warp else "fwarp0")
         if down.max_tokens != MoEDownPipeKey.max_tokens:
             parts.append(f"downmax{down.max_tokens}")
+        if down.shared_first:
+            parts.append("sfirst")
     name = "-".join(parts) or "default"
     return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27", RUN35: "run35"}.get(name, name)
 
