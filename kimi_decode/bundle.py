@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # may take what the checkout's tree (tracked and untracked, not ignored files) leaves, or BUNDLE_LIMIT_MB where the
 # tree cannot be measured (no git)
 DEVICE_CARRY_MB = 64
+DEVICE_CARRY_MARGIN_MB = 2  # the device tool refused a tree + bundle of 63.9 MiB (as this module sums them)
 BUNDLE_LIMIT_MB = 44
 
 
@@ -47,9 +48,11 @@ def tree_mib(repo: Path = REPO) -> float | None:
 
 
 def bundle_limit_mib(repo: Path = REPO) -> float:
-    """The bundle's size limit: what the device call's 64 MiB leaves beside the checkout's tree."""
+    """The bundle's size limit: what the device call's 64 MiB (less a margin) leave beside the checkout's tree."""
     tree = tree_mib(repo)
-    return BUNDLE_LIMIT_MB if tree is None else DEVICE_CARRY_MB - tree
+    return BUNDLE_LIMIT_MB if tree is None else DEVICE_CARRY_MB - DEVICE_CARRY_MARGIN_MB - tree
+
+
 WHEEL_CACHE = REPO / ".whl"
 
 
@@ -204,6 +207,11 @@ def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bo
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     log(f"bundle {out}: {len(manifest['kernels'])} kernels, {size:.1f} MiB")
     limit = bundle_limit_mib()
+    cubins = out / "artifacts" / "cubin"
+    if size > limit and cubins.is_dir():  # only scripts/gpu_check_kernels.py reads them (SASS checks)
+        shutil.rmtree(cubins)
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+        log(f"  dropped artifacts/cubin (read only by scripts/gpu_check_kernels.py) to fit: {size:.1f} MiB")
     if size > limit:
         raise RuntimeError(f"bundle is {size:.1f} MiB, over the {limit:.1f} MiB that the device call's "
                            f"{DEVICE_CARRY_MB} MiB leave beside the checkout's tree")

@@ -29,6 +29,10 @@ def main():
     if tool is None:
         print("no cuobjdump here; SASS not checked")
         return 0
+    if not (folder / "cubin").is_dir():
+        print(f"no {folder / 'cubin'}: this bundle was built without its cubins (dropped to fit the device call's "
+              "64 MiB); SASS not checked")
+        return 0
     rows, bad = [], 0
     for e in manifest["kernels"]:
         cubin = folder / "cubin" / (e["symbol"] + ".cubin")
