@@ -892,7 +892,9 @@ class MoEDownPipeKey:
     # this kernel computes itself (the SiTU of the front's fp32 gate/up pre-activations, as moe_up does) and the
     # shared down projection: so they run before the wait for moe_up, while the front is long complete, and the
     # wait and a's staging come at the first expert item. In run 61's timeline a CTA spent about 3 µs from its
-    # start to its first item (wait, staging) while its shared items take about 0.64 µs each
+    # start to its first item (wait, staging) while its shared items take about 0.64 µs each. Measured slower (run
+    # 63, H200: 63.2 µs against 61.0 at batch 1): the whole ring requested at once lands its first slot about 3.4 µs
+    # after the CTA starts, so the shared items gain nothing and a's staging falls on the expert items' path
     shared_first: bool = False
     arch: str = "sm_90a"
 
