@@ -1671,7 +1671,9 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # moe_up with 28 compute warps (no faster, run 23), the run-24 kernels (the shift pair decode) and moe_up's z in its
 # last ring slots (zlast, no faster, run 26), moe_up with 16 compute warps (slower, run 27) and its half super-blocks
 # dealt for equal sub-partitions (bal, slower, run 28), the run-27 kernels, and the options of runs 30-34 (f16, lazy,
-# zswz: docs/fused_moe.md). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# zswz: docs/fused_moe.md), moe_down for one token (downmax1, the cotail's), the finished-CTA counter instead of
+# moe_up's grid completion (dflag, dflagt; runs 61-64, no faster) and moe_down's shared items before its wait
+# (sfirst; run 63, slower). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
