@@ -1501,12 +1501,20 @@ def test_sfirst_runs_shared_items_before_the_wait(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    assert kp.parse_pipe_variant("sfirst") == ({}, dict(shared_first=True))
-    key = kp.MoEDownPipeKey(s, shared_first=True)
+    assert kp.parse_pipe_variant("sfirst") == ({}, dict(shared_first=1))
+    assert kp.parse_pipe_variant("sfirst2") == ({}, dict(shared_first=2))
+    key = kp.MoEDownPipeKey(s, shared_first=1)
     assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), key) == "sfirst"
-    for p in (True, False):
-        assert kp.MoEDownPipeKey(s, shared_first=True, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
-        assert kp.MoEDownPipeKey(s, shared_first=True, pdl=p, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
+    assert kp.pipe_variant_name(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s, shared_first=2)) == "sfirst2"
+    for mode in (1, 2):
+        for p in (True, False):
+            assert kp.MoEDownPipeKey(s, shared_first=mode, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
+    for p in (True, False):  # the timeline build of the latest
+        assert kp.MoEDownPipeKey(s, shared_first=2, pdl=p, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
+    # sfirst2: one ring slot before a_shared's SiTU (as the default), a's copy issued once (by the first flush warp)
+    two = kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=2))
+    assert two.count("griddepcontrol.wait") == 2
+    assert two.count("cp.async.bulk.shared::cluster.global") == kc.ptx_text(kp.MoEDownPipeKey(s)).count("cp.async.bulk.shared::cluster.global") - 1
     ptx, base = kc.ptx_text(key), kc.ptx_text(kp.MoEDownPipeKey(s))
     assert ptx.count("griddepcontrol.wait") == 2 and base.count("griddepcontrol.wait") == 1
     assert "tanh.approx" in ptx or "ex2.approx" in ptx  # the SiTU, computed here
@@ -1515,4 +1523,4 @@ def test_sfirst_runs_shared_items_before_the_wait(compiler):
     res = kc.resource_usage(key)
     assert res["STACK"] == 0 and res["LOCAL"] == 0, res
     with pytest.raises(AssertionError, match="sfirst"):
-        kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=True, flush_warp=False))
+        kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=2, flush_warp=False))

@@ -894,8 +894,11 @@ class MoEDownPipeKey:
     # wait and a's staging come at the first expert item. In run 61's timeline a CTA spent about 3 µs from its
     # start to its first item (wait, staging) while its shared items take about 0.64 µs each. Measured slower (run
     # 63, H200: 63.2 µs against 61.0 at batch 1): the whole ring requested at once lands its first slot about 3.4 µs
-    # after the CTA starts, so the shared items gain nothing and a's staging falls on the expert items' path
-    shared_first: bool = False
+    # after the CTA starts, so the shared items gain nothing and a's staging falls on the expert items' path.
+    # 2 ('sfirst2'): one ring slot first and the rest once a_shared is computed (as without sfirst), and a's bulk
+    # copy issued by the first flush warp (idle until the first row block ends) as soon as its wait returns, so
+    # that a lands while the shared items run. 0: off
+    shared_first: int = 0
     arch: str = "sm_90a"
 
     @property
@@ -985,6 +988,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     LAZY = key.lazy_flush and not AFL
     FLAGW = key.flag_wait
     SF = key.shared_first
+    assert SF in (0, 1, 2)
     assert not SF or (PRO and FW and not FLAGW), "sfirst needs the merged prologue and the flush warps, not dflag"
     SH0, BETA, BETA_LIN = sh.sh0, sh.beta, sh.beta_lin
     PAIR = key.pair_extras and BAL
@@ -1057,19 +1061,20 @@ def build_down_pipe(key: MoEDownPipeKey):
 
     @cute.jit
     def bulk_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
-                  M: Int32, tid: Int32, NTH: Constexpr = THREADS, ASH: Constexpr = True):
+                  M: Int32, tid: Int32, NTH: Constexpr = THREADS, ASH: Constexpr = True, ISSUE: Constexpr = True):
         """(all threads, inlined; 'pro') a (every (expert, token) pair's row) and a_shared into shared memory in
         one bulk round trip (phase 0 of pbar's second mbarrier: the tables' is not re-armed, since a thread
         re-arming it could complete its next phase before a slower thread had seen the first, and no CTA barrier
         lies between), then a permuted in place, 16 bytes per thread at a time, into the mma's B order: per 8
         values (0,4) (2,6) (1,5) (3,7) as bf16 pairs (bit-exact, no conversion)."""
         pb = pbar.iterator + 1
-        if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + (S * 2 if ASH else 0)))
-            b = pb.toint()
-            bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
-            if const_expr(ASH):  # ('sfirst' computes a_shared itself)
-                bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
+        if const_expr(ISSUE):  # (without ISSUE another thread has issued a's copy on this mbarrier)
+            if tid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + (S * 2 if ASH else 0)))
+                b = pb.toint()
+                bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
+                if const_expr(ASH):  # ('sfirst' computes a_shared itself)
+                    bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
         cute.arch.mbarrier_wait(pb, 0)
         sA4 = cute.zipped_divide(s_a, (1, 4))
         lo16, hi16 = Int32(0xFFFF), Int32(-65536)
@@ -1371,7 +1376,7 @@ def build_down_pipe(key: MoEDownPipeKey):
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
         if tid == 0:  # ('sfirst': the whole ring: no slot waits for moe_up)
-            for s in cutlass.range_constexpr(ST if SF else EARLY):
+            for s in cutlass.range_constexpr(ST if SF == 1 else EARLY):
                 if s < n_items:
                     issue(b0 + s + Int32(s >= cut) * jmp, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
@@ -1417,7 +1422,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                 sAs[(None, (t, idx - t * (S // 8)))].store(gAs[(None, (t, idx - t * (S // 8)))].load())
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that a is in
-            for s in cutlass.range_constexpr(ST if SF else EARLY, ST):
+            for s in cutlass.range_constexpr(ST if SF == 1 else EARLY, ST):
                 if s < n_items:
                     issue(b0 + s + Int32(s >= cut) * jmp, s, ne, nact, s_act, mW2, mS2, mWd, bars, w_base, s_base)
             if const_expr(TR):
@@ -1436,18 +1441,28 @@ def build_down_pipe(key: MoEDownPipeKey):
         chk = Int32(-1)  # (aflush) the row block whose completion flag is read after the next CTA barrier
         nsw = Int32(0)  # (fwarp) row blocks handed to the flush warp so far; acc half nsw % 2 takes the sums
         n_loop = n_items * Int32(warp < FWARP) if FW else n_items  # (fwarp) the flush warp walks no items
+        if const_expr(SF == 2 and PDL):  # the first flush warp: a's bulk copy as soon as moe_up is complete
+            if tid == MAIN:
+                if n_e > 0:
+                    cute.arch.griddepcontrol_wait()
+                    if const_expr(TR):
+                        stamp(mTrace, bx, 2)
+                    pa = pbar.iterator + 1
+                    cute.arch.mbarrier_arrive_and_expect_tx(pa, M * (TOPK * I * 2))
+                    bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), pa.toint())
         for i in cutlass.range(n_loop):
             k = b0 + i + Int32(i >= cut) * jmp
             ie = i  # the item's place in the CTA's run of expert items
             if const_expr(SF):
                 ie = i - cut
                 if i == cut:  # the first expert item: now moe_up's a (the compute and producer warps)
-                    if const_expr(PDL):
+                    if const_expr(PDL and SF == 1):
                         cute.arch.griddepcontrol_wait()
-                    if const_expr(TR):
-                        if tid == 0:
-                            stamp(mTrace, bx, 2)
-                    bulk_acts(mA, mAsh, s_a, s_ash, pbar, M, tid, MAIN, False)
+                        if const_expr(TR):
+                            if tid == 0:
+                                stamp(mTrace, bx, 2)
+                    # ('sfirst2': the first flush warp has issued a's copy; without PDL, thread 0 issues it here)
+                    bulk_acts(mA, mAsh, s_a, s_ash, pbar, M, tid, MAIN, False, not (SF == 2 and PDL))
                     cute.arch.barrier(barrier_id=3, number_of_threads=MAIN)
                     if const_expr(PDL and LATE):
                         cute.arch.griddepcontrol_launch_dependents()
@@ -1677,11 +1692,11 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1", "dflag", "dflagt", "sfirst")
+                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35", "sfirst")  # sfirst: its items before the wait (dflag's and dflagt's: runs 61, 62)
+TRACE_VARIANTS = ("run35", "sfirst2")  # sfirst2: its items before the wait (dflag's, dflagt's, sfirst's: runs 61-63)
 
 
 # meta's words of the 'dflag' handshake ([0] active experts and [1] the router-row counter are the routing's)
@@ -1716,7 +1731,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     rows padded and their chunks swizzled against bank conflicts; not with f16) [off],
     pf (moe_up prefetches moe_down's bytes into L2) [off], dflag / dflagt (moe_up's CTAs count themselves done on a
     counter that moe_down polls instead of griddepcontrol.wait; every thread fences / thread 0 alone) [off], sfirst
-    (moe_down computes a_shared from the front's output and runs its shared items before waiting for moe_up) [off], tailN (moe_down prefetches the tail's last N W_up
+    (moe_down computes a_shared from the front's output and runs its shared items before waiting for moe_up;
+    sfirst2 with one early ring slot and a's copy issued by a flush warp) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
@@ -1739,8 +1755,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             (up if side == "up" else down)[field] = m.group(2) != "0"
         elif (m := re.fullmatch(r"tail(\d+)", tok)) and int(m.group(1)) <= D:
             down["prefetch_tail_rows"] = int(m.group(1))
-        elif m := re.fullmatch(r"sfirst([01]?)", tok):
-            down["shared_first"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"sfirst([012]?)", tok):
+            down["shared_first"] = int(m.group(1) or 1)
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
@@ -1782,7 +1798,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), sfirst (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
@@ -1885,7 +1901,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         if down.max_tokens != MoEDownPipeKey.max_tokens:
             parts.append(f"downmax{down.max_tokens}")
         if down.shared_first:
-            parts.append("sfirst")
+            parts.append({1: "sfirst", 2: "sfirst2"}[down.shared_first])
     name = "-".join(parts) or "default"
     return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27", RUN35: "run35"}.get(name, name)
 
