@@ -47,6 +47,10 @@ def tree_mib(repo: Path = REPO) -> float | None:
     return sum(f.stat().st_size for f in files if f.is_file()) / 2**20
 
 
+def _folder_mib(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+
+
 def bundle_limit_mib(repo: Path = REPO) -> float:
     """The bundle's size limit: what the device call's 64 MiB (less a margin) leave beside the checkout's tree."""
     tree = tree_mib(repo)
@@ -204,13 +208,13 @@ def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bo
     (out / "BUNDLE_ID").write_text(manifest["built_utc"].replace(":", "") + "\n")
     (out / "run.sh").write_text(RUNNER)
     (out / "run.sh").chmod(0o755)
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    size = _folder_mib(out)
     log(f"bundle {out}: {len(manifest['kernels'])} kernels, {size:.1f} MiB")
     limit = bundle_limit_mib()
     cubins = out / "artifacts" / "cubin"
     if size > limit and cubins.is_dir():  # only scripts/gpu_check_kernels.py reads them (SASS checks)
         shutil.rmtree(cubins)
-        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+        size = _folder_mib(out)
         log(f"  dropped artifacts/cubin (read only by scripts/gpu_check_kernels.py) to fit: {size:.1f} MiB")
     if size > limit:
         raise RuntimeError(f"bundle is {size:.1f} MiB, over the {limit:.1f} MiB that the device call's "

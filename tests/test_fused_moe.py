@@ -1512,10 +1512,9 @@ def test_sfirst_runs_shared_items_before_the_wait(compiler):
     for p in (True, False):  # the timeline build of the latest
         assert kp.MoEDownPipeKey(s, shared_first=2, pdl=p, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
     # sfirst2: one ring slot before a_shared's SiTU (as the default), a's copy issued once (by the first flush warp)
-    two = kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=2))
+    ptx, base, two = (kc.ptx_text(k) for k in (key, kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, shared_first=2)))
     assert two.count("griddepcontrol.wait") == 2
-    assert two.count("cp.async.bulk.shared::cluster.global") == kc.ptx_text(kp.MoEDownPipeKey(s)).count("cp.async.bulk.shared::cluster.global") - 1
-    ptx, base = kc.ptx_text(key), kc.ptx_text(kp.MoEDownPipeKey(s))
+    assert two.count("cp.async.bulk.shared::cluster.global") == base.count("cp.async.bulk.shared::cluster.global") - 1
     assert ptx.count("griddepcontrol.wait") == 2 and base.count("griddepcontrol.wait") == 1
     assert "tanh.approx" in ptx or "ex2.approx" in ptx  # the SiTU, computed here
     # the bulk copies of the prologue: a_shared's is gone (a and the routing tables remain)

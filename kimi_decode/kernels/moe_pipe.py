@@ -1061,6 +1061,17 @@ def build_down_pipe(key: MoEDownPipeKey):
         return s_meta[0]
 
     @cute.jit
+    def issue_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
+                   M: Int32, ASH: Constexpr = True):
+        """(one thread, inlined) a (and, with ASH, a_shared) bulk-copied into shared memory on pbar's second
+        mbarrier, the copy `bulk_acts` waits for."""
+        pb = pbar.iterator + 1
+        cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + (S * 2 if ASH else 0)))
+        bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), pb.toint())
+        if const_expr(ASH):  # ('sfirst' computes a_shared itself)
+            bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), pb.toint())
+
+    @cute.jit
     def bulk_acts(mA: cute.Tensor, mAsh: cute.Tensor, s_a: cute.Tensor, s_ash: cute.Tensor, pbar: cute.Tensor,
                   M: Int32, tid: Int32, NTH: Constexpr = THREADS, ASH: Constexpr = True, ISSUE: Constexpr = True):
         """(all threads, inlined; 'pro') a (every (expert, token) pair's row) and a_shared into shared memory in
@@ -1071,11 +1082,7 @@ def build_down_pipe(key: MoEDownPipeKey):
         pb = pbar.iterator + 1
         if const_expr(ISSUE):  # (without ISSUE another thread has issued a's copy on this mbarrier)
             if tid == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(pb, M * (TOPK * I * 2 + (S * 2 if ASH else 0)))
-                b = pb.toint()
-                bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), b)
-                if const_expr(ASH):  # ('sfirst' computes a_shared itself)
-                    bulk(s_ash.iterator.toint(), mAsh.iterator.toint(), M * (S * 2), b)
+                issue_acts(mA, mAsh, s_a, s_ash, pbar, M, ASH)
         cute.arch.mbarrier_wait(pb, 0)
         sA4 = cute.zipped_divide(s_a, (1, 4))
         lo16, hi16 = Int32(0xFFFF), Int32(-65536)
@@ -1352,15 +1359,14 @@ def build_down_pipe(key: MoEDownPipeKey):
         n_e = hi_e - lo_e
         n_items = n_e + hi_s - lo_s
 
-        # the CTA's i-th item as a global item index (expert items first, then shared ones) is
-        # lo_e + i + (i >= n_e) * jump, written out at its four uses: a helper closing over Int32 is refused by
-        # the DSL (closure capture) and a module-level one recursed in its preprocessor
-        jump = ne + lo_s - hi_e
-        # the i-th item is b0 + i + (i >= cut) * jmp: expert items first (cut = n_e), or ('sfirst') shared items first
+        # the CTA's i-th item as a global item index is b0 + i + (i >= cut) * jmp: expert items first (from lo_e,
+        # then the shared ones from ne + lo_s), or ('sfirst') shared items first; written out at its four uses: a
+        # helper closing over Int32 is refused by the DSL (closure capture) and a module-level one recursed in its
+        # preprocessor
         if const_expr(SF):
             b0, cut, jmp = ne + lo_s, hi_s - lo_s, lo_e - ne - hi_s
         else:
-            b0, cut, jmp = lo_e, n_e, jump
+            b0, cut, jmp = lo_e, n_e, ne + lo_s - hi_e
         if const_expr(not PRO):
             stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
             cute.arch.barrier()
@@ -1391,7 +1397,7 @@ def build_down_pipe(key: MoEDownPipeKey):
             acc[idx // ACC_W, idx % ACC_W] = Float32(0.0)
         if const_expr(FLAGW):  # ('dflag') moe_up's CTAs counted done, instead of its grid's completion
             if tid == 0:
-                done = cute.arch.load(mMeta.iterator + DONE_FLAG, Int32, sem="acquire", scope="gpu")
+                done = Int32(0)
                 while done < G:
                     done = cute.arch.load(mMeta.iterator + DONE_FLAG, Int32, sem="acquire", scope="gpu")
                 cute.arch.fence_proxy("async.global")  # a and a_sh, written by generic stores, read by bulk copies
@@ -1448,9 +1454,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     cute.arch.griddepcontrol_wait()
                     if const_expr(TR):
                         stamp(mTrace, bx, 2)
-                    pa = pbar.iterator + 1
-                    cute.arch.mbarrier_arrive_and_expect_tx(pa, M * (TOPK * I * 2))
-                    bulk(s_a.iterator.toint(), mA.iterator.toint(), M * (TOPK * I * 2), pa.toint())
+                    issue_acts(mA, mAsh, s_a, s_ash, pbar, M, False)
         for i in cutlass.range(n_loop):
             k = b0 + i + Int32(i >= cut) * jmp
             ie = i  # the item's place in the CTA's run of expert items
