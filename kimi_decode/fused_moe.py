@@ -76,6 +76,11 @@ def check_flag_handshake(up_key, down_key) -> None:
     if up and up_key.ctas != down_key.ctas:
         raise ValueError(f"dflag: moe_down waits for as many moe_up CTAs as it has itself ({down_key.ctas}), "
                          f"but moe_up launches {up_key.ctas}")
+    early = isinstance(up_key, kp.MoEUpPipeKey) and up_key.route_early > 0
+    reset = isinstance(down_key, kp.MoEDownPipeKey) and down_key.route_reset
+    if early != reset:  # a flag nobody clears lets the next step's moe_up read stale tables; one never set, hang
+        raise ValueError("uflag needs both pipelined expert kernels: moe_up polling the front's routing flag and "
+                         f"moe_down clearing it (got moe_up route_early={early}, moe_down route_reset={reset})")
 
 
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
@@ -175,7 +180,12 @@ class FusedMoE:
                                                             arch=arch, trace=trace)
         cand = route_kw.get("candidates", km.MoEFrontKey.candidates)
         # the front kernel and, in the variant name, the routing kernels' options where they changed it
-        front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch)
+        # 'uflag': the front's routing sets the flag moe_up polls before its wait
+        route_flag = isinstance(up_key, kp.MoEUpPipeKey) and up_key.route_early > 0
+        front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch, route_flag=route_flag)
+        front_pdl = getattr(front_key, "pdl", False)
+        if front_pdl and not pdl:
+            raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
         mt = getattr(front_key, "m_tile", 1)  # the one-token ring front has no m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
@@ -198,7 +208,7 @@ class FusedMoE:
         if geometry and (co or co_ring):
             raise ValueError("a tail ring geometry (tringRxS[cN]) cannot go with cotail or tringco, which fix theirs")
         tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co or co_ring
-                    else tail_ring_key(shape, geometry, pdl=pdl, arch=arch) if ring
+                    else tail_ring_key(shape, geometry, pdl=pdl, arch=arch, trigger=front_pdl) if ring
                     else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
         if ring and geometry:
             tags.append("tring" + tail_key.geometry_tag)
@@ -222,7 +232,8 @@ class FusedMoE:
         self.s1, self.s3, self.s2 = w.w1_scale, w.w3_scale, w.w2_scale
         self.norm = w.norm.view(1, km.L)
         self.front = nan(N, shape.ncat, dtype=torch.float32)
-        self.meta = torch.zeros(4, dtype=torch.int32, device=dev)  # [active experts, router CTA counter, -, -]
+        # [active experts, router CTA counter, dflag's two words, uflag's routing flag, -, -, -] (km.META_WORDS)
+        self.meta = torch.zeros(km.META_WORDS, dtype=torch.int32, device=dev)
         self.ids = torch.full((N, km.TOPK), -1, dtype=torch.int32, device=dev)
         self.wts = nan(N, km.TOPK, dtype=torch.float32)
         self.we = torch.zeros(km.E, N, dtype=torch.float32, device=dev)  # routing weight of (expert, token)

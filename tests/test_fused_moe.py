@@ -1509,8 +1509,6 @@ def test_sfirst_runs_shared_items_before_the_wait(compiler):
     for mode in (1, 2):
         for p in (True, False):
             assert kp.MoEDownPipeKey(s, shared_first=mode, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
-    for p in (True, False):  # the timeline build of the latest
-        assert kp.MoEDownPipeKey(s, shared_first=2, pdl=p, trace=True) in kp.DOWN_PIPE.aot_keys("sm_90a")
     # sfirst2: one ring slot before a_shared's SiTU (as the default), a's copy issued once (by the first flush warp)
     ptx, base, two = (kc.ptx_text(k) for k in (key, kp.MoEDownPipeKey(s), kp.MoEDownPipeKey(s, shared_first=2)))
     assert two.count("griddepcontrol.wait") == 2
@@ -1523,3 +1521,91 @@ def test_sfirst_runs_shared_items_before_the_wait(compiler):
     assert res["STACK"] == 0 and res["LOCAL"] == 0, res
     with pytest.raises(AssertionError, match="sfirst"):
         kc.ptx_text(kp.MoEDownPipeKey(s, shared_first=2, flush_warp=False))
+
+
+def test_uflag_and_fpdl_parse_name_and_compile(compiler):
+    """'uflagN': the front's routing CTA sets meta[ROUTED_FLAG] after a CTA barrier and a gpu-scope fence (release
+    store); moe_up's thread 0 polls it with acquire loads before griddepcontrol.wait and requests up to N ring slots
+    (z in the last, as zlast); moe_down clears it after its wait. 'fpdl': the one-token front loads its weight rows
+    before griddepcontrol.wait (launched as a programmatic dependent) and the tail ring triggers its dependents at
+    its start. Parsed, named, built ahead of time (the front at every m_tile with the flag), no spills."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.kernels.moe_tail_ring import TAIL_RING, tail_ring_key
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("uflag1") == (dict(route_early=1, z_last=True), dict(route_reset=True))
+    assert kp.parse_pipe_variant("uflag3")[0]["route_early"] == 3
+    up, down = kp.MoEUpPipeKey(s, route_early=1, z_last=True), kp.MoEDownPipeKey(s, route_reset=True)
+    assert kp.pipe_variant_name(up, down) == "uflag1"
+    assert km.split_front_options("fpdl-uflag1") == ({"front_pdl": True}, "uflag1")
+    for p in (True, False):
+        assert kp.MoEUpPipeKey(s, route_early=3, z_last=True, pdl=p) in kp.UP_PIPE.aot_keys("sm_90a")
+        assert kp.MoEDownPipeKey(s, route_reset=True, pdl=p) in kp.DOWN_PIPE.aot_keys("sm_90a")
+        assert kp.MoEUpPipeKey(s, route_early=1, z_last=True, pdl=p, trace=True) in kp.UP_PIPE.aot_keys("sm_90a")
+    fronts = km.FRONT.aot_keys("sm_90a")
+    for m in (1, 2, 3, 8):
+        assert km.front_key_for(s, m, False, {}, route_flag=True)[0] in fronts, m
+    fpdl, tags = km.front_key_for(s, 1, False, {"front_pdl": True}, route_flag=True)
+    assert fpdl.pdl and fpdl.route_flag and tags == ["fpdl"] and fpdl in fronts
+    assert not km.front_key_for(s, 2, False, {"front_pdl": True})[0].pdl  # one token only
+    assert tail_ring_key(s, trigger=True) in TAIL_RING.aot_keys("sm_90a")
+    with pytest.raises(ValueError, match="uflag"):
+        km.front_key_for(s, 1, True, {}, route_flag=True)
+    with pytest.raises(ValueError, match="uflag"):
+        km.front_key_for(s, 1, False, {"front_ring": True}, route_flag=True)
+    # the front: the flag after the routing's last barrier, behind a fence; with fpdl a wait after the row's loads
+    base, flagged = kc.ptx_text(km.front_key_for(s, 1, False, {})[0]), kc.ptx_text(fpdl)
+    assert "st.release.gpu" not in base and "griddepcontrol.wait" not in base
+    tail = flagged[flagged.rindex("bar.sync"):]
+    assert "fence.acq_rel.gpu" in tail and "st.release.gpu.global.b32" in tail
+    wait = flagged.index("griddepcontrol.wait")
+    assert flagged[:wait].count("ld.global") >= 7  # the CTA's weight row (7 chunks a lane) before the wait
+    # moe_up: the acquire poll and the early slots' bulk copies before the wait; moe_down: the clear after it
+    u_ptx = kc.ptx_text(up)
+    wait = u_ptx.index("griddepcontrol.wait")
+    assert "ld.acquire.gpu" in u_ptx[:wait] and "cp.async.bulk.shared::cluster.global" in u_ptx[:wait]
+    assert "ld.acquire.gpu" not in kc.ptx_text(kp.MoEUpPipeKey(s, z_last=True))
+    d_ptx, d_base = kc.ptx_text(down), kc.ptx_text(kp.MoEDownPipeKey(s))
+    assert d_ptx.count("st.global.b32") == d_base.count("st.global.b32") + 1
+    t_ptx, t_base = kc.ptx_text(tail_ring_key(s, trigger=True)), kc.ptx_text(tail_ring_key(s))
+    assert "griddepcontrol.launch_dependents" in t_ptx and "griddepcontrol.launch_dependents" not in t_base
+    for key in (fpdl, up, down, tail_ring_key(s, trigger=True)):
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+    with pytest.raises(AssertionError, match="zlast"):
+        kc.ptx_text(kp.MoEUpPipeKey(s, route_early=1))
+
+
+def test_uflag_needs_both_pipelined_kernels():
+    """moe_up polling the routing flag without moe_down clearing it (or the reverse) is refused before any launch:
+    a flag never cleared lets the next step's moe_up read the previous routing."""
+    from kimi_decode.fused_moe import check_flag_handshake
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    check_flag_handshake(kp.MoEUpPipeKey(s, route_early=1, z_last=True), kp.MoEDownPipeKey(s, route_reset=True))
+    with pytest.raises(ValueError, match="uflag"):
+        check_flag_handshake(kp.MoEUpPipeKey(s, route_early=1, z_last=True), kp.MoEDownPipeKey(s))
+    with pytest.raises(ValueError, match="uflag"):
+        check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s, route_reset=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["uflag1", "uflag3", "fpdl", "fpdl-uflag1"])
+@pytest.mark.parametrize("n", [1, 8])
+def test_uflag_and_fpdl_steps_match_the_default_and_clear_the_flag(w8, n, variant):
+    """Three steps in a row with 'uflagN' / 'fpdl': each gives the default's output up to summation order, and
+    after each the routing flag is back at 0 (cleared by moe_down); fpdl applies at one token only."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(n, D, seed=210 + n, device="cuda")
+    a, b = FusedMoE(w8, x, variant=variant), FusedMoE(w8, x)
+    assert ("fpdl+" in a.variant) == ("fpdl" in variant and n == 1), a.variant
+    b()
+    for _ in range(3):
+        a.h.fill_(float("nan"))
+        a()
+        torch.cuda.synchronize()
+        assert a.meta[km.ROUTED_FLAG].item() == 0
+        _same_up_to_summation_order(a.h, b.h)

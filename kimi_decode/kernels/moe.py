@@ -89,7 +89,9 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     (what the ring itself costs); cand0 / cand1:
     routing without / with the candidate selection (`route_tokens`, on by default); mtfit0 / mtfit: the front and
     tail GEMVs at m_tile 8 for 2-8 tokens (`M8_TILES`, the kernels before run 49) / at the smallest m_tile of
-    `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49)."""
+    `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49); fpdl: at one token
+    the plain front as a programmatic dependent of the previous launch (its weight rows loaded before the wait,
+    `MoEFrontKey.pdl`), and the tail ring letting the next launch be scheduled at its start (`MoETailRingKey.trigger`)."""
     import re
 
     if not variant:
@@ -108,6 +110,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["front_ring"] = m.group(1) != "0"
         elif m := re.fullmatch(r"cotail([01]?)", tok):
             front["co_tail"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"fpdl([01]?)", tok):
+            front["front_pdl"] = m.group(1) != "0"
         elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
             front["co_tail_ring_only"] = True
         elif m := re.fullmatch(r"fring(\d+)x(\d+)(?:c(\d+))?", tok):  # ring front: R rows per slot, S slots, N CTAs/SM
@@ -146,7 +150,20 @@ class MoEFrontKey:
     # the routing's keys in shared memory (`route_tokens` SKEYS): the kernel keeps about the GEMV's registers
     # instead of 128 (4 CTAs per SM); 'skeys0': in registers (the kernels before run 49)
     smem_keys: bool = False
+    # 'fpdl' (one token): launched as a programmatic dependent of the previous launch (the tail of the layer before,
+    # which then lets it be scheduled at its own start): each CTA loads its weight rows before griddepcontrol.wait
+    # and x after it, so the first CTAs' loads fly while the previous launch drains
+    pdl: bool = False
+    # 'uflag' (with the pipelined moe_up's route_early): once the routing tables are written, the routing CTA sets
+    # meta[ROUTED_FLAG] (release), so that moe_up can request its first ring slots before the front ends
+    route_flag: bool = False
     arch: str = "sm_90a"
+
+
+# meta's words (int32): [0] active experts and [1] the router-row counter (the routing's), [2] and [3] the 'dflag'
+# handshake (moe_pipe.DONE_FLAG, PASS_COUNT), [4] the 'uflag' routing flag (set by the front, cleared by moe_down)
+META_WORDS = 8
+ROUTED_FLAG = 4
 
 
 @dataclass(frozen=True)
@@ -623,6 +640,7 @@ def build_front(key: MoEFrontKey):
     ROUTE = key.route
     SKEYS = key.route and key.smem_keys
     assert E % R == 0 and N % R == 0
+    assert ROUTE or not key.route_flag, "route_flag is set by the routing: the front must route"
     # a carveout given keeps the DSL from asking a GPU for the SM's shared memory (the build runs without one)
     occupancy = dict(min_blocks_per_mp=key.min_ctas, preferred_smem_carveout=FRONT_SMEM_CARVEOUT) if key.min_ctas else {}
 
@@ -641,7 +659,8 @@ def build_front(key: MoEFrontKey):
         cnt, lst, wtot, kys = route_smem(smem, WARPS, SKEYS)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
-        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
+        # ('fpdl') the weight rows are loaded before griddepcontrol.wait, x after it
+        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, key.pdl)
         if tid < RM:
             r = tid // MT
             mi = tid - r * MT
@@ -660,8 +679,13 @@ def build_front(key: MoEFrontKey):
                     cute.arch.fence_acq_rel_gpu()
                     route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys,
                                    WARPS, SCALING, key.candidates, SKEYS)
+                    if const_expr(key.route_flag):  # every thread's table writes, then the flag (release)
+                        cute.arch.barrier()
                     if tid == 0:
                         mMeta[1] = Int32(0)  # re-arm the counter for the next step
+                        if const_expr(key.route_flag):
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.store(mMeta.iterator + ROUTED_FLAG, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def front_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor,
@@ -670,7 +694,7 @@ def build_front(key: MoEFrontKey):
         M = mX.shape[0]
         front_kernel(mW, mX, mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
             grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1),
-            smem=4 * WARPS * RM + route_smem_bytes(WARPS, SKEYS), stream=stream, **occupancy)
+            smem=4 * WARPS * RM + route_smem_bytes(WARPS, SKEYS), stream=stream, use_pdl=key.pdl, **occupancy)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
@@ -1120,13 +1144,15 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
 
 
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
-                  arch: str = "sm_90a") -> tuple:
+                  arch: str = "sm_90a", route_flag: bool = False) -> tuple:
     """The front kernel's key for a step of m tokens with the routing options `options` (`split_front_options`),
     and the tags of the options that changed it from the default (for the variant name): the plain GEMV
     (`MoEFrontKey`) at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES). One token with
     the routing in the front kernel, options: 'fring', the persistent ring GEMV (`moe_front_ring.MoEFrontRingKey`;
     runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'skeys', the routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM (run 49:
-    slower); 'foccN', N CTAs per SM."""
+    slower); 'foccN', N CTAs per SM; 'fpdl', the plain front as a programmatic dependent (`MoEFrontKey.pdl`).
+    route_flag: the routing CTA sets meta[ROUTED_FLAG] for moe_up's 'uflag' (the plain front only; refused with
+    separate routing or the ring front)."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
@@ -1142,12 +1168,17 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
         from .moe_front_ring import front_ring_key
         ring_key = front_ring_key(shape, geometry, candidates=cand, arch=arch)
     ring_tag = "fring" + (ring_key.geometry_tag if ring_key is not None and geometry else "")
+    pdl = one and not ring and o.get("front_pdl", False)
     tags = [tag for tag, on in (("cand0", not cand), (ring_tag, ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
-                                ("mtfit0", m8)) if on]
+                                ("mtfit0", m8), ("fpdl", pdl)) if on]
+    if route_flag and (separate_routing or ring):
+        raise ValueError("uflag: the routing flag is set by the plain front kernel's routing; it cannot go with the "
+                         "routing as its own launch or the ring front (fring)")
     if ring:
         return ring_key, tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
-                      candidates=cand or separate_routing, smem_keys=sk, arch=arch)  # no routing: the default key
+                      candidates=cand or separate_routing, smem_keys=sk, pdl=pdl, route_flag=route_flag,
+                      arch=arch)  # no routing: the default key
     return key, tags
 
 
@@ -1199,6 +1230,10 @@ def aot_keys_for(kind: str):
                             key = front_key_for(s, m, sep, o, arch)[0]
                             if isinstance(key, MoEFrontKey) and key not in out:
                                 out.append(key)
+                if tp == 8:  # 'uflag' at every m_tile, 'fpdl' at one token, and both
+                    for m in (1, 2, 3, 8):
+                        out.append(front_key_for(s, m, False, {}, arch, route_flag=True)[0])
+                    out += [front_key_for(s, 1, False, {"front_pdl": True}, arch, route_flag=f)[0] for f in (False, True)]
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:

@@ -25,7 +25,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import D, E, L, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
+from .moe import D, E, L, ROUTED_FLAG, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
 # moe_up's compute warp counts: warp w takes super-blocks w, w + warps, ... of a row's 28 (16: warps 0..11 take two,
 # 12..15 one, so that each sub-partition, warps w = s mod 4, has 7; with 14 two sub-partitions have 8 and two 6)
@@ -151,6 +151,13 @@ class MoEUpPipeKey:
     # on the H100); 2 ('dflagt'): the CTA barrier, then thread 0 alone fences and adds, as a grid-wide barrier does
     # (the barrier orders the other threads' stores before thread 0's release, which is cumulative). 0: off
     done_flag: int = 0
+    # 'uflagN' (with 'zlast' and moe_down's route_reset; the front sets meta[ROUTED_FLAG] once its routing tables
+    # are written): thread 0 polls that flag (acquire) at the CTA's start, before griddepcontrol.wait, reads the
+    # active-expert count and its first items' experts with plain loads and requests up to N ring slots (not those
+    # z takes) at once, instead of after the prologue's round trip that follows the wait (run 64's timeline: the
+    # ring requested 1.0 µs after the wait and its first slot landing 1.9 µs later, item 0 2.9 µs after the wait).
+    # 0: off
+    route_early: int = 0
     arch: str = "sm_90a"
 
     @property
@@ -401,6 +408,8 @@ def build_up_pipe(key: MoEUpPipeKey):
     ZL = key.z_last
     SLOT_W = 2 * WS_BYTES  # bytes of a slot's W1 and W3 rows: z (fp32) fills whole slots from the ring's end
     assert PRO or not ZL, "z_last stages z in the ring: it needs the merged prologue"
+    RE = key.route_early
+    assert 0 <= RE < ST and (RE == 0 or ZL), "uflag requests ring slots before z is staged: it needs zlast"
     for m_ in range(1, MXT + 1):  # the last slot's last row has no padding after it: z must end before it
         assert -(-m_ * L * 4 // SLOT_W) * SLOT_W - PADW * 4 >= m_ * L * 4
     if PRO:
@@ -440,11 +449,12 @@ def build_up_pipe(key: MoEUpPipeKey):
                           s_tok: cute.Tensor, ring_w: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor,
                           mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32,
                           mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor, bars: cute.Tensor,
-                          w_base, s_base, nz, s_zsc: cute.Tensor):
+                          w_base, s_base, nz, s_zsc: cute.Tensor, e0):
         """(all threads, inlined; 'pro') thread 0 bulk-copies meta, the routing tables and every token's z row
         (fp32, into the idle ring: its first slots, or with 'zlast' its last `nz`) on one mbarrier; meanwhile the
         shared experts' SiTU and the zeroing; with 'zlast' thread 0 then requests the slots before z's; then z
-        to bf16 pairs in the mma's B order. Returns the number of active experts."""
+        to bf16 pairs in the mma's B order ('uflag': slots below e0 were requested before the wait). Returns the
+        number of active experts."""
         M = mF.shape[0]
         pb = pbar.iterator
         zbase = ring_w.iterator + (ST - nz) * (2 * RB_UP * WROWP) if ZL else ring_w.iterator
@@ -459,7 +469,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         cute.arch.mbarrier_wait(pb, 0)
         if const_expr(ZL):
             if tid == 0:  # the slots z does not use: untouched since the kernel began, no proxy fence needed
-                for s in cutlass.range(ST - nz):
+                for s in cutlass.range(e0, ST - nz):
                     if bx + s * G < s_meta[0] * NRB:
                         issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
         zf = cute.make_tensor(cute.recast_ptr(zbase, dtype=Float32),
@@ -595,17 +605,29 @@ def build_up_pipe(key: MoEUpPipeKey):
             if tid == 32:
                 for k in cutlass.range(bx, PF_SD, G):
                     pf(mWd.iterator.toint() + Int64(k) * PF_CHUNK, cutlass.min(PF_CHUNK, SD_BYTES - k * PF_CHUNK))
+        # slots z takes ('zlast': from the ring's end; they are requested after the staging, the others before)
+        nz = (M * (L * 4) + SLOT_W - 1) // SLOT_W if ZL else ST
+        e0 = Int32(0)  # ring slots requested before the wait ('uflag')
+        if const_expr(RE > 0):
+            e0 = cutlass.min(Int32(RE), ST - nz)
+            if tid == 0:  # the front's routing tables are written once its flag is set (release / acquire)
+                routed = Int32(0)
+                while routed == 0:
+                    routed = cute.arch.load(mMeta.iterator + ROUTED_FLAG, Int32, sem="acquire", scope="gpu")
+                nit = mMeta[0] * NRB
+                for s in cutlass.range(e0):
+                    if bx + s * G < nit:
+                        issue(bx + s * G, s, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
         if const_expr(PDL):  # everything else reads the routing tables
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 1)
-        # slots z takes ('zlast': from the ring's end; they are requested after the staging, the others before)
-        nz = (M * (L * 4) + SLOT_W - 1) // SLOT_W if ZL else ST
         if const_expr(PRO):
             nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
-                                     mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz, s_zsc)
+                                     mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz, s_zsc,
+                                     e0)
         else:
             nact = mMeta[0]
             # the routing tables, once, into shared memory: no global round trip on an item's critical path
@@ -900,6 +922,9 @@ class MoEDownPipeKey:
     # that a lands while the shared items run (run 66, H100: slower, 76.4 µs against 74.7 at batch 1: the shared
     # items, last by default, are where a CTA's row-block flushes and all-reduce reads hide). 0: off
     shared_first: int = 0
+    # ('uflag') thread 0 of CTA 0 clears meta[ROUTED_FLAG] after the wait for moe_up (whose CTAs polled it): the next
+    # step's front sets it again once its routing is written
+    route_reset: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -991,6 +1016,7 @@ def build_down_pipe(key: MoEDownPipeKey):
     SF = key.shared_first
     assert SF in (0, 1, 2)
     assert not SF or (PRO and FW and not FLAGW), "sfirst needs the merged prologue and the flush warps, not dflag"
+    assert not key.route_reset or not (SF or FLAGW), "uflag's reset follows moe_down's wait: not with sfirst or dflag"
     SH0, BETA, BETA_LIN = sh.sh0, sh.beta, sh.beta_lin
     PAIR = key.pair_extras and BAL
     assert PROD or not AFL, "the async flush runs on the producer warp"
@@ -1405,6 +1431,9 @@ def build_down_pipe(key: MoEDownPipeKey):
                 cute.arch.barrier()
         elif const_expr(PDL and not SF):  # a, a_sh and the zeroed latent partial come from moe_up
             cute.arch.griddepcontrol_wait()
+        if const_expr(key.route_reset):  # ('uflag') moe_up is complete: no CTA polls the routing flag any more
+            if bx == 0 and tid == 0:
+                mMeta[ROUTED_FLAG] = Int32(0)
         if const_expr(TR and not SF):
             if tid == 0:
                 stamp(mTrace, bx, 2)
@@ -1693,15 +1722,16 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # dealt for equal sub-partitions (bal, slower, run 28), the run-27 kernels, and the options of runs 30-34 (f16, lazy,
 # zswz: docs/fused_moe.md), moe_down for one token (downmax1, the cotail's), the finished-CTA counter instead of
 # moe_up's grid completion (dflag, dflagt; runs 61-64, no faster) and moe_down's shared items before its wait
-# (sfirst; run 63, slower). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
+# (sfirst; run 63, slower), and moe_up's first ring slots requested on the front's routing flag before its wait
+# (uflag1, uflag3). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2")
+                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35", "sfirst2")  # sfirst2: its items before the wait (dflag's, dflagt's, sfirst's: runs 61-63)
+TRACE_VARIANTS = ("run35", "uflag1")  # uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66)
 
 
 # meta's words of the 'dflag' handshake ([0] active experts and [1] the router-row counter are the routing's)
@@ -1737,7 +1767,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     pf (moe_up prefetches moe_down's bytes into L2) [off], dflag / dflagt (moe_up's CTAs count themselves done on a
     counter that moe_down polls instead of griddepcontrol.wait; every thread fences / thread 0 alone) [off], sfirst
     (moe_down computes a_shared from the front's output and runs its shared items before waiting for moe_up;
-    sfirst2 with one early ring slot and a's copy issued by a flush warp) [off], tailN (moe_down prefetches the tail's last N W_up
+    sfirst2 with one early ring slot and a's copy issued by a flush warp) [off], uflagN (the front sets a routing
+    flag once its tables are written; moe_up polls it before its wait and requests N ring slots (its z in the last,
+    as zlast), moe_down clears it) [uflag0], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
@@ -1762,6 +1794,10 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["prefetch_tail_rows"] = int(m.group(1))
         elif m := re.fullmatch(r"sfirst([012]?)", tok):
             down["shared_first"] = int(m.group(1) or 1)
+        elif m := re.fullmatch(r"uflag(\d)", tok):  # the routing flag: N ring slots before moe_up's wait
+            up["route_early"] = int(m.group(1))
+            up["z_last"] = int(m.group(1)) > 0
+            down["route_reset"] = int(m.group(1)) > 0
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
@@ -1850,7 +1886,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"dec{up.decode}")
     if up.pad_rows != MoEUpPipeKey.pad_rows:
         parts.append("pad" if up.pad_rows else "pad0")
-    if up.z_last != MoEUpPipeKey.z_last:
+    if up.z_last != MoEUpPipeKey.z_last and not up.route_early:  # uflag implies zlast
         parts.append("zlast" if up.z_last else "zlast0")
     if up.balance:
         parts.append("bal")
@@ -1864,6 +1900,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("pf1")
     if up.done_flag:
         parts.append({1: "dflag", 2: "dflagt"}[up.done_flag])
+    if up.route_early:
+        parts.append(f"uflag{up.route_early}")
     down_fence = down.proxy_fence if isinstance(down, MoEDownPipeKey) else up.proxy_fence
     if not up.proxy_fence:
         parts.append("fence0" if not down_fence else "upfence0")

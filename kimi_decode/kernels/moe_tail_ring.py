@@ -80,6 +80,9 @@ class MoETailRingKey(RingGeometry):
     # r held in registers as bf16 pairs (56 words a lane, unpacked in the row loop) instead of fp32 (112): few
     # enough registers for the tail CTA to sit beside moe_down's on every SM ('cotail', COTAIL_TAIL)
     r_packed: bool = False
+    # ('fpdl') griddepcontrol.launch_dependents at the CTA's start: the next launch (the next layer's front, built
+    # as a programmatic dependent) may be scheduled beside this one and load its weights while W_up streams
+    trigger: bool = False
     arch: str = "sm_90a"
 
     ROW_ELEMS: ClassVar[int] = L  # a W_up row
@@ -224,6 +227,8 @@ def build_tail_ring(key: MoETailRingKey):
         ring, full, empty = ring_smem(smem, ST, RS, WORDS)
         shs = smem.allocate_tensor(Float32, cute.make_layout((NI * RS,)), byte_alignment=16)
         nitems = (NB - bx + G - 1) // G  # row blocks bx, bx + G, ...
+        if const_expr(key.trigger):
+            cute.arch.griddepcontrol_launch_dependents()
         if tid == 0:
             init_ring_barriers(full, empty, ST, RS)
             cute.arch.mbarrier_init_fence()
@@ -299,17 +304,19 @@ TAIL_RING_GEOMETRIES = ((4, 3, 2), (2, 7, 2), (4, 8, 1))
 
 
 def tail_ring_key(shape: MoEShape, geometry: tuple | None = None, pdl: bool = True,
-                  arch: str = "sm_90a") -> MoETailRingKey:
-    """The tail ring key of a 'tringRxS[cN]' geometry (rows per slot, slots, CTAs per SM); None: the default."""
+                  arch: str = "sm_90a", trigger: bool = False) -> MoETailRingKey:
+    """The tail ring key of a 'tringRxS[cN]' geometry (rows per slot, slots, CTAs per SM); None: the default.
+    trigger: let the next launch be scheduled at the CTA's start ('fpdl')."""
     if geometry is None:
-        return MoETailRingKey(shape, pdl=pdl, arch=arch)
+        return MoETailRingKey(shape, pdl=pdl, trigger=trigger, arch=arch)
     r, st, c = geometry
-    return MoETailRingKey(shape, rows_per_stage=r, stages=st, ctas=H200_SMS * c, pdl=pdl, arch=arch)
+    return MoETailRingKey(shape, rows_per_stage=r, stages=st, ctas=H200_SMS * c, pdl=pdl, trigger=trigger, arch=arch)
 
 
 def _aot_keys(arch: str):
     keys = [MoETailRingKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (True, False)]
     keys += [tail_ring_key(shapes_for_tp(8), g, arch=arch) for g in TAIL_RING_GEOMETRIES]
+    keys += [tail_ring_key(shapes_for_tp(8), trigger=True, arch=arch)]  # 'fpdl'
     return keys + [cotail_key(shapes_for_tp(8), arch=arch)]  # 'cotail' at TP8, one token (PDL)
 
 
