@@ -81,6 +81,8 @@ def check_flag_handshake(up_key, down_key) -> None:
     if early != reset:  # a flag nobody clears lets the next step's moe_up read stale tables; one never set, hang
         raise ValueError("uflag needs both pipelined expert kernels: moe_up polling the front's routing flag and "
                          f"moe_down clearing it (got moe_up route_early={early}, moe_down route_reset={reset})")
+    if early and up:
+        raise ValueError("uflag and dflag use the same word of meta (kernels.moe.ROUTED_FLAG): choose one")
 
 
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
@@ -232,7 +234,7 @@ class FusedMoE:
         self.s1, self.s3, self.s2 = w.w1_scale, w.w3_scale, w.w2_scale
         self.norm = w.norm.view(1, km.L)
         self.front = nan(N, shape.ncat, dtype=torch.float32)
-        # [active experts, router CTA counter, dflag's two words, uflag's routing flag, -, -, -] (km.META_WORDS)
+        # [active experts, router CTA counter, dflag's counter or uflag's routing flag, dflag's pass count]
         self.meta = torch.zeros(km.META_WORDS, dtype=torch.int32, device=dev)
         self.ids = torch.full((N, km.TOPK), -1, dtype=torch.int32, device=dev)
         self.wts = nan(N, km.TOPK, dtype=torch.float32)

@@ -1589,6 +1589,9 @@ def test_uflag_needs_both_pipelined_kernels():
         check_flag_handshake(kp.MoEUpPipeKey(s, route_early=1, z_last=True), kp.MoEDownPipeKey(s))
     with pytest.raises(ValueError, match="uflag"):
         check_flag_handshake(kp.MoEUpPipeKey(s), kp.MoEDownPipeKey(s, route_reset=True))
+    with pytest.raises(ValueError, match="same word"):  # meta[2] is dflag's counter or uflag's flag
+        check_flag_handshake(kp.MoEUpPipeKey(s, route_early=1, z_last=True, done_flag=2),
+                             kp.MoEDownPipeKey(s, route_reset=True, flag_wait=True))
 
 
 @pytest.mark.gpu

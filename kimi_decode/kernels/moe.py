@@ -160,10 +160,11 @@ class MoEFrontKey:
     arch: str = "sm_90a"
 
 
-# meta's words (int32): [0] active experts and [1] the router-row counter (the routing's), [2] and [3] the 'dflag'
-# handshake (moe_pipe.DONE_FLAG, PASS_COUNT), [4] the 'uflag' routing flag (set by the front, cleared by moe_down)
-META_WORDS = 8
-ROUTED_FLAG = 4
+# meta's words (int32; every kernel is built for this length): [0] active experts and [1] the router-row counter (the
+# routing's), [2] and [3] the 'dflag' handshake (moe_pipe.DONE_FLAG, PASS_COUNT); [2] is also the 'uflag' routing
+# flag (set by the front, cleared by moe_down), so the two options exclude each other (fused_moe.check_flag_handshake)
+META_WORDS = 4
+ROUTED_FLAG = 2
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,7 @@ def _routing_fakes(m):
     fake = cute.runtime.make_fake_compact_tensor
     return (
         fake(Float32, (E,), assumed_align=16),
-        fake(Int32, (4,), assumed_align=16),
+        fake(Int32, (META_WORDS,), assumed_align=16),
         fake(Int32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (m, TOPK), stride_order=(1, 0), assumed_align=16),
         fake(Float32, (E, m), stride_order=(1, 0), assumed_align=16),

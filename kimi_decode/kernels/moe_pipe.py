@@ -410,6 +410,7 @@ def build_up_pipe(key: MoEUpPipeKey):
     assert PRO or not ZL, "z_last stages z in the ring: it needs the merged prologue"
     RE = key.route_early
     assert 0 <= RE < ST and (RE == 0 or ZL), "uflag requests ring slots before z is staged: it needs zlast"
+    assert not (RE and key.done_flag), "uflag and dflag share a word of meta (moe.ROUTED_FLAG): not both"
     for m_ in range(1, MXT + 1):  # the last slot's last row has no padding after it: z must end before it
         assert -(-m_ * L * 4 // SLOT_W) * SLOT_W - PADW * 4 >= m_ * L * 4
     if PRO:
