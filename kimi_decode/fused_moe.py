@@ -146,7 +146,10 @@ class FusedMoE:
         stages moe_down for one token and puts a smaller tail ring beside it, which streams W_up while moe_down
         runs ('tringco': that ring alone, after the usual moe_down); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
-        1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`).
+        1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`); 'fpdl' launches the one-token front as a
+        programmatic dependent too (its weight rows before the wait; the tail ring triggers at its start; needs pdl);
+        'uflagN' (pipelined kernels, routing in the front) lets moe_up request N ring slots before its wait on a flag
+        the front's routing sets and moe_down clears (run 68: both correct, no faster).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order;
         None (the default): PDL up to PDL_MAX_TOKENS tokens per step, plain order above (run 45: PDL saved
