@@ -161,10 +161,12 @@ class MoEFrontKey:
 
 
 # meta's words (int32; every kernel is built for this length): [0] active experts and [1] the router-row counter (the
-# routing's), [2] and [3] the 'dflag' handshake (moe_pipe.DONE_FLAG, PASS_COUNT); [2] is also the 'uflag' routing
-# flag (set by the front, cleared by moe_down), so the two options exclude each other (fused_moe.check_flag_handshake)
+# routing's), [2] and [3] the 'dflag' handshake (moe_up's finished-CTA counter and moe_down's pass count); [2] is
+# also the 'uflag' routing flag (set by the front, cleared by moe_down), so the two options exclude each other
+# (fused_moe.check_flag_handshake)
 META_WORDS = 4
-ROUTED_FLAG = 2
+DONE_FLAG, PASS_COUNT = 2, 3
+ROUTED_FLAG = DONE_FLAG
 
 
 @dataclass(frozen=True)

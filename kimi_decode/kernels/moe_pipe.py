@@ -25,7 +25,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import D, E, L, ROUTED_FLAG, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
+from .moe import D, DONE_FLAG, E, L, PASS_COUNT, ROUTED_FLAG, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
 # moe_up's compute warp counts: warp w takes super-blocks w, w + warps, ... of a row's 28 (16: warps 0..11 take two,
 # 12..15 one, so that each sub-partition, warps w = s mod 4, has 7; with 14 two sub-partitions have 8 and two 6)
@@ -1735,9 +1735,6 @@ AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "af
 TRACE_VARIANTS = ("run35", "uflag1")  # uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66)
 
 
-# meta's words of the 'dflag' handshake ([0] active experts and [1] the router-row counter are the routing's)
-DONE_FLAG, PASS_COUNT = 2, 3
-
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
 _SWITCHES = {"pf": ("up", "prefetch_down"), "epi": ("up", "epilogue_warp"), "pad": ("up", "pad_rows"),
              "zlast": ("up", "z_last"), "bal": ("up", "balance"), "prod": ("down", "producer_warp"),
@@ -1797,8 +1794,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["shared_first"] = int(m.group(1) or 1)
         elif m := re.fullmatch(r"uflag(\d)", tok):  # the routing flag: N ring slots before moe_up's wait
             up["route_early"] = int(m.group(1))
-            up["z_last"] = int(m.group(1)) > 0
             down["route_reset"] = int(m.group(1)) > 0
+            if int(m.group(1)):  # z in the ring's last slot (uflag0 leaves zlast as it is)
+                up["z_last"] = True
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
