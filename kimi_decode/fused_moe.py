@@ -119,6 +119,9 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its expert kernels hold {cap} tokens)")
+    if trace and isinstance(down_key, kp.MoEDownPipeKey) and down_key.merged:
+        raise UnsupportedConfiguration("timeline tracing", f"{name} (one launch for both expert kernels)",
+                                       "the pipelined expert kernels in their own launches (without merge)")
     if trace and not (isinstance(up_key, kp.MoEUpPipeKey) and isinstance(down_key, kp.MoEDownPipeKey)):
         raise UnsupportedConfiguration("timeline tracing", f"{name} kernels at {tokens} tokens",
                                        f"the pipelined expert kernels (experts='pipe', 1..{kp.PIPE_MAX_M} tokens)")
@@ -149,7 +152,9 @@ class FusedMoE:
         1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`); 'fpdl' launches the one-token front as a
         programmatic dependent too (its weight rows before the wait; the tail ring triggers at its start; needs pdl);
         'uflagN' (pipelined kernels, routing in the front) lets moe_up request N ring slots before its wait on a flag
-        the front's routing sets and moe_down clears (run 68: both correct, no faster).
+        the front's routing sets and moe_down clears (run 68: both correct, no faster); 'merge' (pipelined kernels)
+        runs moe_up and moe_down as two phases of one launch (`kernels.moe_pipe.MoEExpertsPipeKey`, three launches
+        in all; refused on a device with fewer SMs than its CTAs, which wait for each other).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order;
         None (the default): PDL up to PDL_MAX_TOKENS tokens per step, plain order above (run 45: PDL saved
@@ -222,7 +227,20 @@ class FusedMoE:
         self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)
                                      if k is not None)
         self.pdl = pdl
-        self._fns = [kc.load(k) for k in (front_key, up_key, down_key, tail_key)]
+        # 'merge': moe_up and moe_down as the two phases of one launch, met on a counter that needs every CTA resident
+        self.merged = merged = isinstance(down_key, kp.MoEDownPipeKey) and down_key.merged
+        if merged:
+            from .support import UnsupportedConfiguration
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            if sms < down_key.ctas:
+                raise UnsupportedConfiguration("SMs for the merged expert kernel (merge)", sms,
+                                               f"{down_key.ctas} or more: its {down_key.ctas} CTAs wait for each other")
+            experts_key = kp.MoEExpertsPipeKey(up_key, down_key)
+            self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, experts_key, tail_key)
+                                         if k is not None)
+            self._fns = [kc.load(front_key), kc.load(experts_key), None, kc.load(tail_key)]
+        else:
+            self._fns = [kc.load(k) for k in (front_key, up_key, down_key, tail_key)]
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):
@@ -271,6 +289,28 @@ class FusedMoE:
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
         down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
+        up_bytes = act * e_up + N * km.L * 4 + N * 2 * S * 4
+        down_bytes = act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm)
+        up_flops, down_flops = 2 * N * 16 * km.L * 2 * I, 2 * N * 16 * I * km.L + 2 * N * S * km.D
+        if merged:
+            experts = [Launch(
+                "moe.experts", "Marlin GEMM1 + situ_and_mul + GEMM2 + top-k sum + latent all-reduce read, shared "
+                "situ_and_mul + down (fused, one launch)", "CuTe DSL", up_bytes + down_bytes,
+                _nbytes(self.a, self.a_sh, self.lat[0], self.r, self.sh[0]), up_flops + down_flops,
+                run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
+                                 self.tok, self.a, self.a_sh, self.lat, self.ssq, *up_extra, self.we, self.coef,
+                                 self.cnt, self.r, self.sh, self.norm, w.up, self.trace_down))]
+        else:
+            experts = [
+                Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
+                       up_bytes, _nbytes(self.a, self.a_sh), up_flops,
+                       run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
+                                        self.tok, self.a, self.a_sh, self.lat, self.ssq, *up_extra)),
+                Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
+                       down_bytes, _nbytes(self.lat[0], self.r, self.sh[0]), down_flops,
+                       run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.list, self.tok, self.we,
+                                        self.lat, self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh,
+                                        self.norm, self.ssq, *down_extra))]
         self._launches = [
             Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
                    _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
@@ -280,16 +320,7 @@ class FusedMoE:
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,
                                               self.act, self.list, self.tok))] if separate_routing else []),
-            Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
-                   act * e_up + N * km.L * 4 + N * 2 * S * 4, _nbytes(self.a, self.a_sh), 2 * N * 16 * km.L * 2 * I,
-                   run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
-                                    self.tok, self.a, self.a_sh, self.lat, self.ssq, *up_extra)),
-            Launch("moe.down", "Marlin GEMM2 + top-k sum + latent all-reduce read, shared down (fused)", "CuTe DSL",
-                   act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm),
-                   _nbytes(self.lat[0], self.r, self.sh[0]), 2 * N * 16 * I * km.L + 2 * N * S * km.D,
-                   run=lambda: f[2](self.a, self.w2, self.s2, self.meta, self.act, self.list, self.tok, self.we, self.lat,
-                                    self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh, self.norm, self.ssq,
-                                    *down_extra)),
+            *experts,
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
                    _nbytes(w.up, self.r, self.ssq, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,
                    run=lambda: f[3](w.up, self.r, self.ssq, self.sh, self.coef, self.h)),

@@ -1612,3 +1612,144 @@ def test_uflag_and_fpdl_steps_match_the_default_and_clear_the_flag(w8, n, varian
         torch.cuda.synchronize()
         assert a.meta[km.ROUTED_FLAG].item() == 0
         _same_up_to_summation_order(a.h, b.h)
+
+
+def test_merge_parses_names_and_builds_one_launch(compiler):
+    """'merge': moe_up and moe_down as two phases of one persistent launch (`MoEExpertsPipeKey`), met on dflagt's
+    counter. Parsed, named, built ahead of time at TP8 with and without PDL; the kernel holds both phases' mma and
+    bulk copies, retires moe_up's ring and prologue mbarriers, waits on the counter with an acquire poll instead of a
+    second griddepcontrol.wait, and lets the tail be scheduled only after that wait; one CTA per SM fits (registers
+    at moe_down's 672 threads, shared memory the larger phase's), no spills."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert kp.parse_pipe_variant("merge") == (dict(done_flag=2), dict(flag_wait=True, merged=True))
+    up_kw, down_kw = kp.parse_pipe_variant("merge-downearly3")
+    up, down = kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **down_kw)
+    assert kp.pipe_variant_name(up, down) == "merge-downearly3"
+    key = kp.MoEExpertsPipeKey(up, down)
+    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 4
+    assert key.up_phase.merged_threads == down.threads == 32 * (16 + 1 + kp.FLUSH_WARPS)
+    assert kp.experts_pipe_smem_bytes(key) == max(kp.up_pipe_smem_bytes(up), kp.down_pipe_smem_bytes(down))
+    assert kp.experts_pipe_smem_bytes(key) <= kp.SMEM_BUDGET
+    ptx = kc.ptx_text(key)
+    sep_up, sep_down = kc.ptx_text(kp.MoEUpPipeKey(s, done_flag=2)), kc.ptx_text(kp.MoEDownPipeKey(s, flag_wait=True))
+    for what in ("mma.sync", "cp.async.bulk.shared::cluster.global"):
+        assert ptx.count(what) == sep_up.count(what) + sep_down.count(what) - (
+            4 if what.startswith("cp.async") else 0), what  # moe_down's phase keeps the tables moe_up staged (4 copies)
+    assert ptx.count("mbarrier.inval") == up.stages + 1  # moe_up's ring and its prologue's mbarrier
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("griddepcontrol.launch_dependents") == 1
+    assert ptx.index("atom.global.release.add") < ptx.index("ld.acquire.gpu") < \
+        ptx.index("griddepcontrol.launch_dependents")  # the tail only once every CTA has counted itself
+    assert "griddepcontrol" not in kc.ptx_text(kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, pdl=False, **up_kw),
+                                                                      kp.MoEDownPipeKey(s, pdl=False, **down_kw)))
+    res = kc.resource_usage(key)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+    assert (down.threads // 32) * -(-res["REG"] * 32 // 256) * 256 <= 65536, res
+
+
+def test_merged_key_refuses_phases_that_do_not_meet():
+    """The merged key needs dflagt's counter on both sides and phases that agree (refused when the key is made,
+    before any build); a moe_down phase without the counter's wait is refused when built."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    up, down = kp.MoEUpPipeKey(s, done_flag=2), kp.MoEDownPipeKey(s, flag_wait=True, merged=True)
+    kp.MoEExpertsPipeKey(up, down)
+    with pytest.raises(ValueError, match="dflagt"):
+        kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=1), down)
+    with pytest.raises(ValueError, match="dflagt"):
+        kp.MoEExpertsPipeKey(up, kp.MoEDownPipeKey(s, flag_wait=True))
+    with pytest.raises(ValueError, match="agree"):
+        kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2, pdl=False), down)
+    with pytest.raises(ValueError, match="agree"):
+        kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2, max_tokens=4), down)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["merge", "merge-downearly3"])
+@pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 1), (1, 3), (8, 1), (1, 8)])
+def test_merged_expert_kernel_matches_the_reference(w8, variant, batch, tokens):
+    """The merged expert kernel gives the reference at every token count the pipelined kernels take, in three
+    launches (front, experts, tail), every output element written."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch * tokens, D, seed=300 + batch * tokens, device="cuda")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+    ex = FusedMoE(w8, x, variant=variant)
+    assert [lc.label for lc in ex.launches()] == ["moe.front", "moe.experts", "moe.tail"]
+    assert "moe_experts_pipe" in ex.kernels_used and "moe_up_pipe" not in ex.kernels_used
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["same", "disjoint"])
+def test_merged_expert_kernel_with_shared_and_disjoint_experts(w8, routing):
+    """Every token on the same 16 experts, and 8 tokens on 128 experts none of them share."""
+    import dataclasses
+
+    from kimi_decode.moe_bench import check_moe, moe_input
+    if routing == "same":
+        x, w = moe_input(1, D, seed=7, device="cuda").repeat(8, 1), w8
+    else:
+        x = moe_input(8, D, seed=11, device="cuda")
+        gate = (0.01 * w8.moe.gate.float()).to(torch.bfloat16)
+        xn = x.float() / x.float().norm(dim=1, keepdim=True)
+        gate[:128] = (0.5 * xn.repeat_interleave(16, 0)).to(torch.bfloat16)
+        w = dataclasses.replace(w8, moe=dataclasses.replace(
+            w8.moe, gate=gate, e_score_correction_bias=torch.zeros_like(w8.moe.e_score_correction_bias)))
+    r = check_moe(lambda ww, xx: FusedMoE(ww, xx, variant="merge"), w, x)
+    assert r["all_written"] and r["check_ok"], r
+    assert r["active_experts"] == (16 if routing == "same" else 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8])
+def test_merged_steps_rearm_the_counter_and_match_the_default(w8, n):
+    """Three merged steps in a row (also under a CUDA graph): each gives the default's output up to summation order,
+    and after each the counter's two words of meta are back at 0 (re-armed by the last CTA past it)."""
+    from kimi_decode.bench import time_graph
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(n, D, seed=320 + n, device="cuda")
+    a, b = FusedMoE(w8, x, variant="merge"), FusedMoE(w8, x)
+    b()
+    for _ in range(3):
+        a.h.fill_(float("nan"))
+        a()
+        torch.cuda.synchronize()
+        assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
+        _same_up_to_summation_order(a.h, b.h)
+    a.h.fill_(float("nan"))
+    t = time_graph([a], replays=5)
+    assert t.kernels_per_layer == 3
+    assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
+    _same_up_to_summation_order(a.h, b.h)
+
+
+@pytest.mark.gpu
+def test_merged_expert_kernel_refuses_a_device_with_fewer_sms(w8, monkeypatch):
+    """Its CTAs wait for each other on the counter: on fewer SMs than CTAs some would never start (a hang), so the
+    executor refuses before loading or launching anything."""
+    import types
+
+    from kimi_decode import compile as kc
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(1, D, seed=5, device="cuda")
+    real = torch.cuda.get_device_properties(x.device)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: types.SimpleNamespace(multi_processor_count=114, name=real.name))
+    monkeypatch.setattr(kc, "load", lambda key: pytest.fail(f"loaded {key} before refusing"))
+    with pytest.raises(UnsupportedConfiguration, match="SMs for the merged expert kernel"):
+        FusedMoE(w8, x, variant="merge")
+
+
+def test_merged_expert_kernel_has_no_timeline_build():
+    """The timeline builds record moe_up and moe_down in their own launches: 'merge' with trace is refused first."""
+    from kimi_decode.fused_moe import expert_kernel_keys
+    from kimi_decode.kernels import moe as km
+    s = km.shapes_for_tp(8)
+    with pytest.raises(UnsupportedConfiguration, match="timeline tracing"):
+        expert_kernel_keys(s, 1, variant="merge", trace=True)
+    up, down, name = expert_kernel_keys(s, 1, variant="merge")
+    assert down.merged and up.done_flag == 2 and name == "pipe@merge"

@@ -22,6 +22,7 @@ words 4c..4c+3 of a 16-word super-block (one ld.shared.v4, one scale byte), and 
 super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from .. import compile as kc
@@ -158,6 +159,9 @@ class MoEUpPipeKey:
     # ring requested 1.0 µs after the wait and its first slot landing 1.9 µs later, item 0 2.9 µs after the wait).
     # 0: off
     route_early: int = 0
+    # (set by MoEExpertsPipeKey, 'merge') moe_up as the first phase of the merged expert kernel, whose CTAs have this
+    # many threads (moe_down's); its buffers carved from one block that moe_down's phase then reuses. 0: its own launch
+    merged_threads: int = 0
     arch: str = "sm_90a"
 
     @property
@@ -220,6 +224,38 @@ def ring_init():
 
         _RING_INIT = init
     return _RING_INIT
+
+
+class SmemCarve:
+    """(traced inline; the merged expert kernel, `MoEExpertsPipeKey`) tensors carved out of one raw shared-memory
+    block at offsets fixed at trace time, so that moe_up's phase and moe_down's phase lay their buffers over the
+    same bytes (SmemAllocator gives every allocation its own). `end` is the bytes used so far."""
+
+    def __init__(self, raw, limit: int):
+        self.base, self.limit, self.end = raw.iterator.toint(), limit, 0
+
+    def allocate_tensor(self, dtype, layout, byte_alignment: int = 16):
+        import cutlass.cute as cute
+
+        self.end = -(-self.end // byte_alignment) * byte_alignment
+        ptr = cute.make_ptr(dtype, self.base + self.end, cute.AddressSpace.smem, assumed_align=byte_alignment)
+        self.end += cute.cosize(layout) * dtype.width // 8
+        assert self.end <= self.limit, f"the merged kernel's phases need {self.end} B of shared memory, {self.limit} given"
+        return cute.make_tensor(ptr, layout)
+
+
+def carve_tables(smem, max_tokens: int):
+    """(traced inline) meta and the routing tables (active experts, their (offset, count), the grouped token ids), the
+    first buffers of both phases of the merged kernel, at the same offsets: moe_down's phase reads what moe_up's
+    prologue staged. Returns (s_meta, s_act, s_list, s_tok)."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
+    s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+    s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+    s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * max_tokens,)), byte_alignment=16)
+    return s_meta, s_act, s_list, s_tok
 
 
 def stamp(mTrace, bx, c):
@@ -357,21 +393,31 @@ def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
 
 
 def build_up_pipe(key: MoEUpPipeKey):
+    """(host function, compile-time arguments) of moe_up's own launch."""
+    return _build_up(key)[:2]
+
+
+def _build_up(key: MoEUpPipeKey):
+    """(host function, compile-time arguments, `up_main`): up_main(<up_kernel's tensors>, raw) is the kernel's body as
+    a `@cute.jit` function, which the merged expert kernel inlines as its first phase (raw: the shared-memory block
+    its buffers are carved from; unused in moe_up's own launch)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, const_expr
 
     from .mxfp4_decode import scale_pair
-    from .ptx_ops import bulk_g2s, bulk_prefetch_l2, mbar_spin_wait
+    from .ptx_ops import bulk_g2s, bulk_prefetch_l2, mbar_inval, mbar_spin_wait
 
     sh = key.shape
     I = sh.inter
-    spin = mbar_spin_wait()
+    spin, inval = mbar_spin_wait(), mbar_inval()
     WARPS, ST, G, PDL = key.warps, key.stages, key.ctas, key.pdl
     MXT = key.max_tokens
     assert 1 <= MXT <= PIPE_MAX_M
     EPI, PRO, FENCE = key.epilogue_warp, key.prologue, key.proxy_fence
-    THREADS = 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
+    MERGED = key.merged_threads > 0  # the merged kernel's first phase: its CTAs have moe_down's threads
+    THREADS = key.merged_threads if MERGED else 32 * (WARPS + int(EPI))  # the epilogue warp, if any, is warp WARPS
+    assert not MERGED or THREADS >= 32 * (WARPS + int(EPI))
     NSB = L // SB
     assert I % RB_UP == 0 and WARPS in UP_WARPS and NSB % 4 == 0
     SBW = -(-NSB // WARPS)  # super-blocks of the busiest warp; the last round only for warps with sb < NSB
@@ -560,11 +606,15 @@ def build_up_pipe(key: MoEUpPipeKey):
         return superblock_mma(acc, w1, w3, sc1, sc3, gZ, t, 16 * sb + 4 * c + 2 * (h - 2 * sb), key.decode, (0, 2),
                               swizzle=ZSW)
 
-    @cute.kernel
-    def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
-                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
-                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
-                  mWd: cute.Tensor, mTrace: cute.Tensor):
+    if MERGED:
+        assert PRO and DFLAG == 2 and not (TR or PF or RE or F16), \
+            "the merged kernel's moe_up phase: the merged prologue and dflagt's count, no trace, pf, uflag or f16"
+
+    @cute.jit
+    def up_main(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                mWd: cute.Tensor, mTrace: cute.Tensor, raw: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -573,7 +623,11 @@ def build_up_pipe(key: MoEUpPipeKey):
             if tid == 0:
                 stamp(mTrace, bx, 0)
         M = mF.shape[0]
-        smem = cutlass.utils.SmemAllocator()
+        if const_expr(MERGED):  # the tables first, where moe_down's phase finds them
+            smem = SmemCarve(raw, up_pipe_smem_bytes(key))
+            s_meta, s_act, s_list, s_tok = carve_tables(smem, MXT)
+        else:
+            smem = cutlass.utils.SmemAllocator()
         ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2, RB_UP, WROW), stride=(2 * RB_UP * WROWP, RB_UP * WROWP, WROWP, 1)),
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2, RB_UP, SROW), stride=(2 * RB_UP * SROW, RB_UP * SROW, SROW, 1)),
@@ -588,9 +642,10 @@ def build_up_pipe(key: MoEUpPipeKey):
                 (ST, 2, RB_UP, SROW // 4), stride=(2 * RB_UP * SROW // 4, RB_UP * SROW // 4, SROW // 4, 1)))
         else:
             s_zsc = sz  # a stand-in argument: only the f16 staging reads or writes per-token scales
-        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
-        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
+        if const_expr(not MERGED):
+            s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+            s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+            s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4), stride=(WARPS * 128, 128, 4, 1)),
                                    byte_alignment=16)
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
@@ -598,7 +653,8 @@ def build_up_pipe(key: MoEUpPipeKey):
         s_base = ring_s.iterator.toint()
         if const_expr(PRO):
             pbar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
-            s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
+            if const_expr(not MERGED):
+                s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
             if tid == 0:  # nothing here reads the previous launch: before the wait
                 cute.arch.mbarrier_init(pbar.iterator, 1)
             ring_init()(bars, ST)
@@ -621,7 +677,8 @@ def build_up_pipe(key: MoEUpPipeKey):
                         issue(bx + s * G, s, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
         if const_expr(PDL):  # everything else reads the routing tables
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not MERGED):  # (merged: the tail may start only once every CTA is resident, moe_down's trigger)
+                cute.arch.griddepcontrol_launch_dependents()
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 1)
@@ -793,6 +850,18 @@ def build_up_pipe(key: MoEUpPipeKey):
                 if const_expr(DFLAG == 2):
                     cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(mMeta.iterator + DONE_FLAG, Int32(1), sem="release", scope="gpu")
+                if const_expr(MERGED):  # moe_down's phase lays its buffers over these mbarriers: retire them
+                    for s_ in cutlass.range_constexpr(ST):
+                        inval((bars.iterator + s_).toint())
+                    inval(pbar.iterator.toint())
+
+    @cute.kernel
+    def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                  mWd: cute.Tensor, mTrace: cute.Tensor):
+        up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace,
+                mMeta)  # (raw: a stand-in, only the merged kernel carves)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -802,7 +871,7 @@ def build_up_pipe(key: MoEUpPipeKey):
         up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
-    return up_host, up_pipe_args(sh)
+    return up_host, up_pipe_args(sh), up_main
 
 
 def up_pipe_args(sh: MoEShape) -> tuple:
@@ -926,11 +995,20 @@ class MoEDownPipeKey:
     # ('uflag') thread 0 of CTA 0 clears meta[ROUTED_FLAG] after the wait for moe_up (whose CTAs polled it): the next
     # step's front sets it again once its routing is written
     route_reset: bool = False
+    # (set by MoEExpertsPipeKey, 'merge') moe_down as the second phase of the merged expert kernel: its buffers carved
+    # over moe_up's, the routing tables left where moe_up's prologue staged them, and the wait for moe_up's CTAs on
+    # 'dflag''s counter (flag_wait). False: its own launch
+    merged: bool = False
     arch: str = "sm_90a"
 
     @property
     def rows_per_item(self) -> int:
         return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        """Threads of a CTA: the compute warps, the producer warp and the flush warps, if any."""
+        return 32 * (self.warps * self.ksplit + int(self.producer_warp) + (FLUSH_WARPS if self.flush_warp else 0))
 
 
 def paired_split(bx: int, ne: int, nsh: int, g: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -984,6 +1062,13 @@ def down_pipe_smem_bytes(key: MoEDownPipeKey) -> int:
 
 
 def build_down_pipe(key: MoEDownPipeKey):
+    """(host function, compile-time arguments) of moe_down's own launch."""
+    return _build_down(key)[:2]
+
+
+def _build_down(key: MoEDownPipeKey):
+    """(host function, compile-time arguments, `down_main`): down_main(<down_kernel's tensors>, raw), the kernel's body,
+    which the merged expert kernel inlines as its second phase (see `_build_up`)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, const_expr
@@ -1026,6 +1111,10 @@ def build_down_pipe(key: MoEDownPipeKey):
     FWARP = WARPS + int(PROD)  # the first flush warp ('fwarp'), if any
     FW_THREADS = 32 * FLUSH_WARPS  # ('fwarp') the flush warps: warps FWARP ..
     THREADS = MAIN + (FW_THREADS if FW else 0)
+    assert THREADS == key.threads
+    MERGED = key.merged
+    assert not MERGED or (FLAGW and PRO and (LATE or not PDL) and not (TR or SF or key.route_reset)), \
+        "the merged kernel's moe_down phase: dflag's wait, the merged prologue, the late trigger; no trace or sfirst"
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
     # WARPS if a step could hold more tokens than there are compute warps
@@ -1309,11 +1398,12 @@ def build_down_pipe(key: MoEDownPipeKey):
             if f == 0:
                 stamp(mTrace, bx, 7 + 2 * TRACE_ITEMS)
 
-    @cute.kernel
-    def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
-                    mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
-                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
-                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor):
+    @cute.jit
+    def down_main(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                  mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                  mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                  mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor,
+                  raw: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -1324,7 +1414,11 @@ def build_down_pipe(key: MoEDownPipeKey):
         M = mLat.shape[1]
         if const_expr(PDL and not LATE):  # the tail reads nothing of this launch before its own wait
             cute.arch.griddepcontrol_launch_dependents()
-        smem = cutlass.utils.SmemAllocator()
+        if const_expr(MERGED):  # over moe_up's phase's buffers; the routing tables as moe_up's prologue staged them
+            smem = SmemCarve(raw, down_pipe_smem_bytes(key))
+            s_meta, s_act, s_list, s_tok = carve_tables(smem, MXT)
+        else:
+            smem = cutlass.utils.SmemAllocator()
         ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, RBD, WROW), stride=(RBD * WROW, WROW, 1)),
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBD, SROW), stride=(RBD * SROW, SROW, 1)),
@@ -1335,9 +1429,10 @@ def build_down_pipe(key: MoEDownPipeKey):
         s_a = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT, I // 2), stride=(I // 2, 1)),
                                    byte_alignment=16)
         s_ash = smem.allocate_tensor(BFloat16, cute.make_layout((MXT, S), stride=(S, 1)), byte_alignment=16)
-        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
-        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
+        if const_expr(not MERGED):
+            s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=16)
+            s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=16)
+            s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MXT,)), byte_alignment=16)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST,)), byte_alignment=8)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
@@ -1349,13 +1444,16 @@ def build_down_pipe(key: MoEDownPipeKey):
         if const_expr(PRO):
             # the prologue's two round trips (routing tables; a and a_shared), one mbarrier each
             pbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), byte_alignment=8)
-            s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
+            if const_expr(not MERGED):
+                s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
             if tid == 0:
                 cute.arch.mbarrier_init(pbar.iterator, 1)
                 cute.arch.mbarrier_init(pbar.iterator + 1, 1)
             ring_init()(bars, ST)
-            # the routing tables come from moe_front / moe_route: complete before this launch
-            nact = bulk_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, pbar, M, tid)
+            if const_expr(MERGED):  # staged by moe_up's prologue (the merged kernel's CTA barriers lie between)
+                nact = s_meta[0]
+            else:  # the routing tables come from moe_front / moe_route: complete before this launch
+                nact = bulk_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, pbar, M, tid)
         else:
             nact = mMeta[0]  # the routing tables come from moe_front / moe_route: complete before this launch
         ne = NBD * nact
@@ -1681,6 +1779,14 @@ def build_down_pipe(key: MoEDownPipeKey):
                     mMeta[DONE_FLAG] = Int32(0)
                     mMeta[PASS_COUNT] = Int32(0)
 
+    @cute.kernel
+    def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                    mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor):
+        down_main(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
+                  mWup, mF, mTrace, mMeta)  # (raw: a stand-in, only the merged kernel carves)
+
     @cute.jit
     def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
                   mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
@@ -1690,7 +1796,7 @@ def build_down_pipe(key: MoEDownPipeKey):
                     mWup, mF, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_pipe_smem_bytes(key), stream=stream,
                                  use_pdl=PDL, **carveout)
 
-    return down_host, down_pipe_args(sh, NBD)
+    return down_host, down_pipe_args(sh, NBD), down_main
 
 
 def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
@@ -1726,6 +1832,101 @@ RUN35 = "fwarp0"  # the run-35 kernels (the defaults from run 35 to run 38)
 # (sfirst; run 63, slower), and moe_up's first ring slots requested on the front's routing flag before its wait
 # (uflag1, uflag3). Others (pf1, tailN, contig, upearlyN, downearlyN, ...) need the
 # compiler on the GPU host
+# --------------------------------------------------------------------------- moe_up and moe_down in one launch
+
+
+@dataclass(frozen=True)
+class MoEExpertsPipeKey:
+    """'merge': the pipelined moe_up and moe_down as two phases of one persistent launch (one CTA per SM, moe_down's
+    warps). Each CTA walks its gate/up items, counts itself done on meta[DONE_FLAG] ('dflagt': a CTA barrier, then
+    thread 0's gpu-scope fence and release add), retires its mbarriers, requests its first moe_down ring slots (they
+    read only weights and the routing tables, which stay in shared memory where moe_up's prologue put them), polls the
+    counter until every CTA has counted (acquire) and goes on with moe_down's items; moe_down's buffers lie over
+    moe_up's (`SmemCarve`). Between the two launches this replaces lay a CTA's exit, the next CTA's start, the grid's
+    completion and flush, and moe_down's first ring slot landing about 3 µs after its CTA started (run 66's
+    timelines). The counter needs every CTA resident at once: one per SM, `ctas` SMs at least (FusedMoE refuses
+    smaller devices). Built from `up` and `down` with `merged_threads` / `merged` set here."""
+    up: MoEUpPipeKey
+    down: MoEDownPipeKey
+
+    def __post_init__(self):
+        if not (self.up.done_flag == 2 and self.down.flag_wait and self.down.merged):
+            raise ValueError("the merged expert kernel counts moe_up's CTAs done on dflagt's counter: up.done_flag=2, "
+                             "down.flag_wait and down.merged")
+        if (self.up.shape, self.up.ctas, self.up.pdl, self.up.max_tokens, self.up.arch) != \
+                (self.down.shape, self.down.ctas, self.down.pdl, self.down.max_tokens, self.down.arch):
+            raise ValueError("the merged expert kernel's phases must agree in shape, CTAs, PDL, tokens and arch")
+        if self.up.merged_threads not in (0, self.down.threads):
+            raise ValueError(f"moe_up's phase runs with moe_down's {self.down.threads} threads")
+
+    @property
+    def shape(self) -> MoEShape:
+        return self.down.shape
+
+    @property
+    def arch(self) -> str:
+        return self.down.arch
+
+    @property
+    def up_phase(self) -> MoEUpPipeKey:
+        """The up key the merged kernel builds: `up` with moe_down's thread count."""
+        return dataclasses.replace(self.up, merged_threads=self.down.threads)
+
+
+def experts_pipe_smem_bytes(key: MoEExpertsPipeKey) -> int:
+    """The shared-memory block both phases carve their buffers from (the larger of the two)."""
+    return max(up_pipe_smem_bytes(key.up_phase), down_pipe_smem_bytes(key.down))
+
+
+def build_experts_pipe(key: MoEExpertsPipeKey):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Uint8
+
+    up, down = key.up_phase, key.down
+    _, up_args, up_main = _build_up(up)
+    _, down_args, down_main = _build_down(down)
+    NB = experts_pipe_smem_bytes(key)
+    THREADS, G, PDL = down.threads, down.ctas, down.pdl
+
+    @cute.kernel
+    def experts_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                       mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                       mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                       mWd: cute.Tensor, mTrU: cute.Tensor, mWe: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                       mR: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor, mWup: cute.Tensor, mTrD: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        raw = cutlass.utils.SmemAllocator().allocate_tensor(Uint8, cute.make_layout((NB,)), byte_alignment=128)
+        up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrU, raw)
+        # every thread past the first phase (its last shared-memory reads, the retired mbarriers): the second phase's
+        # bulk copies may now write over what the first phase's threads read and wrote
+        cute.arch.barrier()
+        if tid == 0:
+            cute.arch.fence_view_async_shared()
+        down_main(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
+                  mWup, mF, mTrD, raw)
+
+    @cute.jit
+    def experts_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                     mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                     mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                     mWd: cute.Tensor, mTrU: cute.Tensor, mWe: cute.Tensor, mCoef: cute.Tensor, mCnt: cute.Tensor,
+                     mR: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor, mWup: cute.Tensor, mTrD: cute.Tensor,
+                     stream):
+        experts_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrU,
+                       mWe, mCoef, mCnt, mR, mSh, mNorm, mWup, mTrD).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=NB + 256, stream=stream, use_pdl=PDL)
+
+    # moe_up's arguments, then those of moe_down's it lacks: we, coef, cnt, r, sh, norm, W_up, its timeline buffer
+    return experts_host, (*up_args[:-1], *(down_args[i] for i in MERGED_DOWN_ARGS), up_args[-1])
+
+
+MERGED_DOWN_ARGS = (7, 9, 10, 11, 14, 15, 17, 19)  # indices into down_pipe_args of the merged kernel's last arguments
+# the merged kernel's variants built ahead of time (TP8, with and without PDL): downearly3 requests all of moe_down's
+# ring slots as soon as a CTA's gate/up items are done, before the counter's wait
+MERGE_VARIANTS = ("merge", "merge-downearly3")
+
+
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
                 "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3")
@@ -1797,6 +1998,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             down["route_reset"] = int(m.group(1)) > 0
             if int(m.group(1)):  # z in the ring's last slot (uflag0 leaves zlast as it is)
                 up["z_last"] = True
+        elif tok == "merge":  # moe_up and moe_down in one launch, the phases met on dflagt's counter
+            up["done_flag"] = 2
+            down["flag_wait"] = down["merged"] = True
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
@@ -1897,7 +2101,9 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"upearly{up.early_slots}")
     if up.prefetch_down:
         parts.append("pf1")
-    if up.done_flag:
+    if isinstance(down, MoEDownPipeKey) and down.merged:
+        parts.append("merge")
+    elif up.done_flag:
         parts.append({1: "dflag", 2: "dflagt"}[up.done_flag])
     if up.route_early:
         parts.append(f"uflag{up.route_early}")
@@ -1979,5 +2185,22 @@ DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key
                                       build=build_down_pipe, aot_keys=_aot_keys("down"),
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
-__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes",
+
+def _merged_aot_keys(arch: str):
+    s = shapes_for_tp(8)
+    out = []
+    for v in MERGE_VARIANTS:
+        up_kw, down_kw = parse_pipe_variant(v)
+        for p in (True, False):
+            out.append(MoEExpertsPipeKey(MoEUpPipeKey(s, pdl=p, arch=arch, **up_kw),
+                                         MoEDownPipeKey(s, pdl=p, arch=arch, **down_kw)))
+    return out
+
+
+EXPERTS_PIPE = kc.register(kc.KernelSpec(
+    name="moe_experts_pipe", module=__name__, key_type=MoEExpertsPipeKey, build=build_experts_pipe,
+    aot_keys=_merged_aot_keys, ptx_checks=("cp.async.bulk", "mma.sync", "mbarrier.inval", "atom.global.release.add",
+                                           "ld.acquire.gpu", "red.relaxed.gpu.global.add")))
+
+__all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "MoEExpertsPipeKey", "experts_pipe_smem_bytes", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes",
            "parse_pipe_variant", "pipe_variant_name", "paired_split"]

@@ -18,6 +18,7 @@
                                        with fences)
     red_add_v4_f32(addr, a, b, c, d)   red.relaxed.gpu.global.add.v4.f32 (sm_90): four fp32 added in one request
     mbar_spin_wait(mbar, phase)        poll mbarrier.test_wait.parity until the phase completes (no suspend)
+    mbar_inval(mbar)                   mbarrier.inval: retire an mbarrier whose bytes are then used for other data
     timestamps() -> (ns, clk)          %globaltimer (ns, common to all SMs) and %clock64 (this SM's cycles),
                                        read where the call stands (volatile), for kernel timelines
 
@@ -130,6 +131,11 @@ def _ops():
             "r,r", loc, ip)
 
     @dsl_user_op
+    def mbar_inval(mbar, *, loc=None, ip=None):
+        """invalidate the mbarrier at shared address `mbar`, so that its bytes may be used for something else"""
+        asm(None, [Int32(mbar).ir_value(loc=loc, ip=ip)], "mbarrier.inval.shared::cta.b64 [$0];", "r", loc, ip)
+
+    @dsl_user_op
     def timestamps(*, loc=None, ip=None):
         res = llvm.inline_asm(llvm.StructType.get_literal([T.i64(), T.i64()]), [],
                               "mov.u64 $0, %globaltimer; mov.u64 $1, %clock64;", "=l,=l", has_side_effects=True,
@@ -150,7 +156,7 @@ def _ops():
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
                 bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
                 ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait,
-                bf16x2_to_f32_here=bf16x2_to_f32_here)
+                bf16x2_to_f32_here=bf16x2_to_f32_here, mbar_inval=mbar_inval)
     return _OPS
 
 
@@ -163,7 +169,8 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here) = (_accessor(n) for n in (
-    "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
-    "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait",
-    "bf16x2_to_f32_here"))
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here, mbar_inval) = (
+    _accessor(n) for n in (
+        "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
+        "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait",
+        "bf16x2_to_f32_here", "mbar_inval"))
