@@ -1629,7 +1629,11 @@ def test_merge_parses_names_and_builds_one_launch(compiler):
     up, down = kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **down_kw)
     assert kp.pipe_variant_name(up, down) == "merge-downearly3"
     key = kp.MoEExpertsPipeKey(up, down)
-    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 4
+    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 8
+    tail = kp.parse_pipe_variant("merge-tail2048")[1]
+    assert tail["prefetch_tail_rows"] == 2048 and kp.MoEExpertsPipeKey(
+        kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **tail)) in kp.EXPERTS_PIPE.aot_keys("sm_90a")
+    assert kp.MoEDownPipeKey(s, prefetch_tail_rows=2048) in kp.DOWN_PIPE.aot_keys("sm_90a")
     assert key.up_phase.merged_threads == down.threads == 32 * (16 + 1 + kp.FLUSH_WARPS)
     assert kp.experts_pipe_smem_bytes(key) == max(kp.up_pipe_smem_bytes(up), kp.down_pipe_smem_bytes(down))
     assert kp.experts_pipe_smem_bytes(key) <= kp.SMEM_BUDGET

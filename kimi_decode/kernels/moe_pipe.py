@@ -1924,12 +1924,12 @@ def build_experts_pipe(key: MoEExpertsPipeKey):
 MERGED_DOWN_ARGS = (7, 9, 10, 11, 14, 15, 17, 19)  # indices into down_pipe_args of the merged kernel's last arguments
 # the merged kernel's variants built ahead of time (TP8, with and without PDL): downearly3 requests all of moe_down's
 # ring slots as soon as a CTA's gate/up items are done, before the counter's wait
-MERGE_VARIANTS = ("merge", "merge-downearly3")
+MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584")
 
 
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3")
+                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3", "tail2048")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
