@@ -1968,7 +1968,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     (moe_down computes a_shared from the front's output and runs its shared items before waiting for moe_up;
     sfirst2 with one early ring slot and a's copy issued by a flush warp) [off], uflagN (the front sets a routing
     flag once its tables are written; moe_up polls it before its wait and requests N ring slots (its z in the last,
-    as zlast), moe_down clears it) [uflag0], tailN (moe_down prefetches the tail's last N W_up
+    as zlast), moe_down clears it) [uflag0], merge (moe_up and moe_down as the two phases of one launch, met on
+    dflagt's counter: `MoEExpertsPipeKey`) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
@@ -2042,7 +2043,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"compute warps, N in {UP_WARPS}), downk1/downk2 (moe_down's K split), pad0/pad1 "
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
-                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
+                             f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), merge (moe_up and moe_down in one launch), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
