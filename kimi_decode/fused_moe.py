@@ -154,7 +154,8 @@ class FusedMoE:
         'uflagN' (pipelined kernels, routing in the front) lets moe_up request N ring slots before its wait on a flag
         the front's routing sets and moe_down clears (run 68: both correct, no faster); 'merge' (pipelined kernels)
         runs moe_up and moe_down as two phases of one launch (`kernels.moe_pipe.MoEExpertsPipeKey`, three launches
-        in all; refused on a device with fewer SMs than its CTAs, which wait for each other).
+        in all; refused on a device with fewer SMs than its CTAs, which wait for each other: it also needs the GPU to
+        itself, since another process's kernels holding SMs (MPS) could keep one of its CTAs from starting).
         pdl: launch each kernel after the first as a programmatic dependent of the one before (its
         weight loads overlap the previous kernel's last wave; `kernels/moe.py`); False: plain stream order;
         None (the default): PDL up to PDL_MAX_TOKENS tokens per step, plain order above (run 45: PDL saved
