@@ -119,9 +119,6 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
                                        f"1..{cap} (its expert kernels hold {cap} tokens)")
-    if trace and isinstance(down_key, kp.MoEDownPipeKey) and down_key.merged:
-        raise UnsupportedConfiguration("timeline tracing", f"{name} (one launch for both expert kernels)",
-                                       "the pipelined expert kernels in their own launches (without merge)")
     if trace and not (isinstance(up_key, kp.MoEUpPipeKey) and isinstance(down_key, kp.MoEDownPipeKey)):
         raise UnsupportedConfiguration("timeline tracing", f"{name} kernels at {tokens} tokens",
                                        f"the pipelined expert kernels (experts='pipe', 1..{kp.PIPE_MAX_M} tokens)")

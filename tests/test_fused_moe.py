@@ -1629,7 +1629,7 @@ def test_merge_parses_names_and_builds_one_launch(compiler):
     up, down = kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **down_kw)
     assert kp.pipe_variant_name(up, down) == "merge-downearly3"
     key = kp.MoEExpertsPipeKey(up, down)
-    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 8
+    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 10  # 2 traced
     tail = kp.parse_pipe_variant("merge-tail2048")[1]
     assert tail["prefetch_tail_rows"] == 2048 and kp.MoEExpertsPipeKey(
         kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **tail)) in kp.EXPERTS_PIPE.aot_keys("sm_90a")
@@ -1748,12 +1748,24 @@ def test_merged_expert_kernel_refuses_a_device_with_fewer_sms(w8, monkeypatch):
         FusedMoE(w8, x, variant="merge")
 
 
-def test_merged_expert_kernel_has_no_timeline_build():
-    """The timeline builds record moe_up and moe_down in their own launches: 'merge' with trace is refused first."""
+def test_merged_expert_kernel_has_a_timeline_build(compiler):
+    """'merge' with trace: both phases record their checkpoints (moe_up's into trace_up, moe_down's into trace_down),
+    built ahead of time with and without PDL, no spills; phases that disagree on trace are refused."""
+    import dataclasses
+
+    from kimi_decode import compile as kc
     from kimi_decode.fused_moe import expert_kernel_keys
     from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
     s = km.shapes_for_tp(8)
-    with pytest.raises(UnsupportedConfiguration, match="timeline tracing"):
-        expert_kernel_keys(s, 1, variant="merge", trace=True)
-    up, down, name = expert_kernel_keys(s, 1, variant="merge")
-    assert down.merged and up.done_flag == 2 and name == "pipe@merge"
+    up, down, name = expert_kernel_keys(s, 1, variant="merge", trace=True)
+    assert down.merged and up.done_flag == 2 and up.trace and down.trace and name == "pipe@merge"
+    key = kp.MoEExpertsPipeKey(up, down)
+    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a")
+    plain = kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2), dataclasses.replace(down, trace=False))
+    ptx, plain = kc.ptx_text(key), kc.ptx_text(plain)
+    assert ptx.count("%globaltimer") > 0 and "%globaltimer" not in plain
+    res = kc.resource_usage(key)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+    with pytest.raises(ValueError, match="trace"):
+        kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2), down)

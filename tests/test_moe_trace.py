@@ -119,8 +119,10 @@ def test_trace_builds_record_timestamps_without_spills(compiler):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8])
-def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
+@pytest.mark.parametrize("batch, variant", [(1, None), (8, None), (1, "merge"), (8, "merge")])
+def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch, variant):
+    """The timeline builds, also the merged expert kernel's ('merge': its two phases write trace_up and trace_down;
+    moe_down's phase starts after moe_up's last item, in the same CTA)."""
     from kimi_decode.config import ShardSpec
     from kimi_decode.fused_moe import FusedMoE
     from kimi_decode.kernels.moe_pipe import TRACE_SLOTS
@@ -130,7 +132,7 @@ def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
     made = []
 
     def make(wc, x):
-        made.append(FusedMoE(wc, x, trace=True))
+        made.append(FusedMoE(wc, x, trace=True, variant=variant))
         return made[-1]
 
     r = check_moe(make, w, moe_input(batch, 7168, seed=80 + batch, device="cuda"))
@@ -148,6 +150,8 @@ def test_traced_step_is_correct_and_every_cta_records_its_start_and_end(batch):
     began, ended = clk[:, warp_trace_slot(0, WARP_TRACE_EPI, 0)], clk[:, warp_trace_slot(0, WARP_TRACE_EPI, 1)]
     assert bool((began > 0).all()) and bool((ended > began).all())
     assert int(ex.trace_down[:, 0, 0].max()) > int(ex.trace_up[:, 0, 0].min())
+    if variant == "merge":  # each CTA's moe_down phase begins once its moe_up phase has ended
+        assert bool((ex.trace_down[:, 0, 0] >= ex.trace_up[:, 0, TRACE_SLOTS - 1]).all())
 
 
 def test_trace_plot_draws_one_line_per_cta_and_refuses_a_missing_batch():

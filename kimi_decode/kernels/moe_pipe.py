@@ -607,8 +607,8 @@ def _build_up(key: MoEUpPipeKey):
                               swizzle=ZSW)
 
     if MERGED:
-        assert PRO and DFLAG == 2 and not (TR or PF or RE or F16), \
-            "the merged kernel's moe_up phase: the merged prologue and dflagt's count, no trace, pf, uflag or f16"
+        assert PRO and DFLAG == 2 and not (PF or RE or F16), \
+            "the merged kernel's moe_up phase: the merged prologue and dflagt's count, no pf, uflag or f16"
 
     @cute.jit
     def up_main(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -1113,8 +1113,8 @@ def _build_down(key: MoEDownPipeKey):
     THREADS = MAIN + (FW_THREADS if FW else 0)
     assert THREADS == key.threads
     MERGED = key.merged
-    assert not MERGED or (FLAGW and PRO and (LATE or not PDL) and not (TR or SF or key.route_reset)), \
-        "the merged kernel's moe_down phase: dflag's wait, the merged prologue, the late trigger; no trace or sfirst"
+    assert not MERGED or (FLAGW and PRO and (LATE or not PDL) and not (SF or key.route_reset)), \
+        "the merged kernel's moe_down phase: dflag's wait, the merged prologue, the late trigger; no sfirst or uflag"
     REFILL = 32 * WARPS if PROD else 0  # the thread that refills the ring
     # rms_sumsq strides its tokens over the compute warps; the producer warp (index WARPS) would repeat token
     # WARPS if a step could hold more tokens than there are compute warps
@@ -1844,7 +1844,8 @@ class MoEExpertsPipeKey:
     counter until every CTA has counted (acquire) and goes on with moe_down's items; moe_down's buffers lie over
     moe_up's (`SmemCarve`). Between the two launches this replaces lay a CTA's exit, the next CTA's start, the grid's
     completion and flush, and moe_down's first ring slot landing about 3 µs after its CTA started (run 66's
-    timelines). The counter needs every CTA resident at once: one per SM, `ctas` SMs at least (FusedMoE refuses
+    timelines). A timeline build (trace) records each phase's checkpoints as the two kernels' builds do (moe_down's
+'start' is its phase's). The counter needs every CTA resident at once: one per SM, `ctas` SMs at least (FusedMoE refuses
     smaller devices). Built from `up` and `down` with `merged_threads` / `merged` set here."""
     up: MoEUpPipeKey
     down: MoEDownPipeKey
@@ -1853,9 +1854,9 @@ class MoEExpertsPipeKey:
         if not (self.up.done_flag == 2 and self.down.flag_wait and self.down.merged):
             raise ValueError("the merged expert kernel counts moe_up's CTAs done on dflagt's counter: up.done_flag=2, "
                              "down.flag_wait and down.merged")
-        if (self.up.shape, self.up.ctas, self.up.pdl, self.up.max_tokens, self.up.arch) != \
-                (self.down.shape, self.down.ctas, self.down.pdl, self.down.max_tokens, self.down.arch):
-            raise ValueError("the merged expert kernel's phases must agree in shape, CTAs, PDL, tokens and arch")
+        if (self.up.shape, self.up.ctas, self.up.pdl, self.up.max_tokens, self.up.trace, self.up.arch) != \
+                (self.down.shape, self.down.ctas, self.down.pdl, self.down.max_tokens, self.down.trace, self.down.arch):
+            raise ValueError("the merged expert kernel's phases must agree in shape, CTAs, PDL, tokens, trace and arch")
         if self.up.merged_threads not in (0, self.down.threads):
             raise ValueError(f"moe_up's phase runs with moe_down's {self.down.threads} threads")
 
@@ -2195,6 +2196,9 @@ def _merged_aot_keys(arch: str):
         for p in (True, False):
             out.append(MoEExpertsPipeKey(MoEUpPipeKey(s, pdl=p, arch=arch, **up_kw),
                                          MoEDownPipeKey(s, pdl=p, arch=arch, **down_kw)))
+            if v == "merge":  # its timeline build (kimi-decode moe --trace --executors fused@merge)
+                out.append(MoEExpertsPipeKey(MoEUpPipeKey(s, pdl=p, arch=arch, trace=True, **up_kw),
+                                             MoEDownPipeKey(s, pdl=p, arch=arch, trace=True, **down_kw)))
     return out
 
 
