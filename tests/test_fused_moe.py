@@ -1742,7 +1742,8 @@ def test_merged_expert_kernel_refuses_a_device_with_fewer_sms(w8, monkeypatch):
     x = moe_input(1, D, seed=5, device="cuda")
     real = torch.cuda.get_device_properties(x.device)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d=None: types.SimpleNamespace(multi_processor_count=114, name=real.name))
+                        lambda d=None: types.SimpleNamespace(multi_processor_count=114, name=real.name,
+                                                             major=real.major, minor=real.minor))
     monkeypatch.setattr(kc, "load", lambda key: pytest.fail(f"loaded {key} before refusing"))
     with pytest.raises(UnsupportedConfiguration, match="SMs for the merged expert kernel"):
         FusedMoE(w8, x, variant="merge")
