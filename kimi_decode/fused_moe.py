@@ -221,9 +221,6 @@ class FusedMoE:
         if ring and geometry:
             tags.append("tring" + tail_key.geometry_tag)
         self.variant = "+".join([*tags, self.variant])
-        # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
-        self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, up_key, down_key, tail_key)
-                                     if k is not None)
         self.pdl = pdl
         # 'merge': moe_up and moe_down as the two phases of one launch, met on a counter that needs every CTA resident
         self.merged = merged = isinstance(down_key, kp.MoEDownPipeKey) and down_key.merged
@@ -233,12 +230,14 @@ class FusedMoE:
             if sms < down_key.ctas:
                 raise UnsupportedConfiguration("SMs for the merged expert kernel (merge)", sms,
                                                f"{down_key.ctas} or more: its {down_key.ctas} CTAs wait for each other")
-            experts_key = kp.MoEExpertsPipeKey(up_key, down_key)
-            self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, experts_key, tail_key)
-                                         if k is not None)
-            self._fns = [kc.load(front_key), kc.load(experts_key), None, kc.load(tail_key)]
-        else:
-            self._fns = [kc.load(k) for k in (front_key, up_key, down_key, tail_key)]
+        expert_keys = (kp.MoEExpertsPipeKey(up_key, down_key),) if merged else (up_key, down_key)
+        # the kernels this step launches, in order (recorded by `kimi-decode moe` next to each timing)
+        self.kernels_used = "+".join(kc.spec_for(k).name for k in (front_key, route_key, *expert_keys, tail_key)
+                                     if k is not None)
+        # f[1] runs the expert kernel(s): moe_up, or with 'merge' both phases (f[2], moe_down, is then None)
+        self._fns = [kc.load(k) for k in (front_key, *expert_keys, tail_key)]
+        if merged:
+            self._fns.insert(2, None)
         gen = torch.Generator(device="cpu").manual_seed(seed)
 
         def nan(*size, dtype=torch.bfloat16):

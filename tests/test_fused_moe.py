@@ -197,6 +197,19 @@ def _same_up_to_summation_order(h, g):
     torch.testing.assert_close(h.float(), g.float(), rtol=2 ** -7, atol=1e-3)
 
 
+def _three_steps_rearm_the_counter_and_match(a, b):
+    """Three steps of `a` (with dflag's counter): each gives `b`'s output (one step of it) up to summation order, and
+    after each the counter's two words of meta are back at 0."""
+    from kimi_decode.kernels import moe_pipe as kp
+    b()
+    for _ in range(3):
+        a.h.fill_(float("nan"))
+        a()
+        torch.cuda.synchronize()
+        assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
+        _same_up_to_summation_order(a.h, b.h)
+
+
 @pytest.mark.gpu
 def test_variant_with_a_small_accumulator_refuses_many_tokens(w8):
     """w4r16 keeps 64 latent rows per moe_down CTA: its 48 KB accumulator holds 192 tokens, not 512."""
@@ -1478,18 +1491,11 @@ def test_dflag_needs_both_pipelined_kernels():
 def test_dflag_steps_rearm_the_counter_and_match_the_default(w8, n, variant):
     """Three steps in a row with 'dflag': each gives the default's output up to summation order, and after
     each the handshake's two words of meta are back at 0 (re-armed by the last moe_down CTA)."""
-    from kimi_decode.kernels import moe_pipe as kp
     from kimi_decode.moe_bench import moe_input
     x = moe_input(n, D, seed=200 + n, device="cuda")
     a, b = FusedMoE(w8, x, variant=variant), FusedMoE(w8, x)
     assert variant in a.variant, a.variant
-    b()
-    for _ in range(3):
-        a.h.fill_(float("nan"))
-        a()
-        torch.cuda.synchronize()
-        assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
-        _same_up_to_summation_order(a.h, b.h)
+    _three_steps_rearm_the_counter_and_match(a, b)
 
 
 def test_sfirst_runs_shared_items_before_the_wait(compiler):
@@ -1717,13 +1723,7 @@ def test_merged_steps_rearm_the_counter_and_match_the_default(w8, n):
     from kimi_decode.moe_bench import moe_input
     x = moe_input(n, D, seed=320 + n, device="cuda")
     a, b = FusedMoE(w8, x, variant="merge"), FusedMoE(w8, x)
-    b()
-    for _ in range(3):
-        a.h.fill_(float("nan"))
-        a()
-        torch.cuda.synchronize()
-        assert a.meta[kp.DONE_FLAG].item() == 0 and a.meta[kp.PASS_COUNT].item() == 0
-        _same_up_to_summation_order(a.h, b.h)
+    _three_steps_rearm_the_counter_and_match(a, b)
     a.h.fill_(float("nan"))
     t = time_graph([a], replays=5)
     assert t.kernels_per_layer == 3
