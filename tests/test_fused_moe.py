@@ -1635,7 +1635,8 @@ def test_merge_parses_names_and_builds_one_launch(compiler):
     up, down = kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **down_kw)
     assert kp.pipe_variant_name(up, down) == "merge-downearly3"
     key = kp.MoEExpertsPipeKey(up, down)
-    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == 10  # 2 traced
+    assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == \
+        2 * len(kp.MERGE_VARIANTS) + 2  # with and without PDL; merge's 2 timeline builds
     tail = kp.parse_pipe_variant("merge-tail2048")[1]
     assert tail["prefetch_tail_rows"] == 2048 and kp.MoEExpertsPipeKey(
         kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **tail)) in kp.EXPERTS_PIPE.aot_keys("sm_90a")
@@ -1659,6 +1660,39 @@ def test_merge_parses_names_and_builds_one_launch(compiler):
     assert (down.threads // 32) * -(-res["REG"] * 32 // 256) * 256 <= 65536, res
 
 
+def test_l2_hints_put_priorities_on_the_ring_copies_and_the_tail_prefetch(compiler):
+    """'l2h': every weight copy of both rings carries an evict_first policy and the tail's prefetch (tailN) evict_last;
+    the routing tables, z and a stay plain (every CTA reads them). The same copies as without it, no spills, and the
+    options parse, name themselves and are built ahead of time (plain and merged)."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    for v in ("l2h", "tail2048-l2h", "tail3584-l2h", "merge-tail3584-l2h"):
+        up_kw, down_kw = kp.parse_pipe_variant(v)
+        assert up_kw["l2_hints"] and down_kw["l2_hints"]
+        assert kp.pipe_variant_name(kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **down_kw)) == v
+        assert v in kp.AOT_VARIANTS + kp.MERGE_VARIANTS
+    copy, first, last = "cp.async.bulk.shared::cluster.global", "L2::evict_first", "L2::evict_last"
+    hinted_copy = "complete_tx::bytes.L2::cache_hint"
+    for plain_key, key in ((kp.MoEUpPipeKey(s), kp.MoEUpPipeKey(s, l2_hints=True)),
+                           (kp.MoEDownPipeKey(s, prefetch_tail_rows=2048),
+                            kp.MoEDownPipeKey(s, prefetch_tail_rows=2048, l2_hints=True))):
+        plain, ptx = kc.ptx_text(plain_key), kc.ptx_text(key)
+        assert ptx.count(copy) == plain.count(copy) and "cache_hint" not in plain
+        hinted = ptx.count(hinted_copy)
+        assert hinted == ptx.count(first) > 0, (hinted, ptx.count(first))  # one policy per hinted copy
+        assert ptx.count(copy) - hinted >= 4  # the tables' copies (and z's, a's) stay plain
+        if isinstance(key, kp.MoEDownPipeKey):
+            assert ptx.count(last) == 1 and ptx.count("cp.async.bulk.prefetch.L2.global.L2::cache_hint") == 1
+            assert ptx.count("cp.async.bulk.prefetch.L2.global [") == 0  # no unhinted prefetch left
+        else:
+            assert ptx.count(last) == 0
+        res, plain_res = kc.resource_usage(key), kc.resource_usage(plain_key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0 and res["REG"] <= plain_res["REG"] + 8, (res, plain_res)
+    assert "evict_last" not in kc.ptx_text(kp.MoEDownPipeKey(s, l2_hints=True))  # no tailN: nothing to keep
+
+
 def test_merged_key_refuses_phases_that_do_not_meet():
     """The merged key needs dflagt's counter on both sides and phases that agree (refused when the key is made,
     before any build); a moe_down phase without the counter's wait is refused when built."""
@@ -1678,7 +1712,7 @@ def test_merged_key_refuses_phases_that_do_not_meet():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["merge", "merge-downearly3"])
+@pytest.mark.parametrize("variant", ["merge", "merge-downearly3", "merge-tail3584-l2h"])
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 1), (1, 3), (8, 1), (1, 8)])
 def test_merged_expert_kernel_matches_the_reference(w8, variant, batch, tokens):
     """The merged expert kernel gives the reference at every token count the pipelined kernels take, in three

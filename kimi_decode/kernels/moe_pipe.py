@@ -162,6 +162,10 @@ class MoEUpPipeKey:
     # (set by MoEExpertsPipeKey, 'merge') moe_up as the first phase of the merged expert kernel, whose CTAs have this
     # many threads (moe_down's); its buffers carved from one block that moe_down's phase then reuses. 0: its own launch
     merged_threads: int = 0
+    # 'l2h': the ring's bulk copies of W1/W3 and their scales carry an L2 evict_first policy (bytes read once per
+    # step), so that what the step brings into L2 for later (moe_down's prefetch of the tail's W_up rows, evict_last)
+    # is not the first to go. False: the default policy
+    l2_hints: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -202,6 +206,24 @@ F16_B_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7))
 
 
 _RING_INIT = None
+
+
+def _ring_copy(hinted: bool):
+    """the bulk copy a ring slot's weights come by: plain, or ('l2h') with an L2 evict_first policy"""
+    from .ptx_ops import bulk_g2s, bulk_g2s_hinted
+    if not hinted:
+        return bulk_g2s()
+    hinted_copy = bulk_g2s_hinted()
+    return lambda dst, src, nbytes, mbar: hinted_copy(dst, src, nbytes, mbar, "evict_first")
+
+
+def _tail_prefetch(hinted: bool):
+    """the L2 prefetch of the tail's W_up rows: plain, or ('l2h') evict_last"""
+    from .ptx_ops import bulk_prefetch_l2, bulk_prefetch_l2_hinted
+    if not hinted:
+        return bulk_prefetch_l2()
+    hinted_pf = bulk_prefetch_l2_hinted()
+    return lambda src, nbytes: hinted_pf(src, nbytes, "evict_last")
 
 
 def ring_init():
@@ -444,6 +466,7 @@ def _build_up(key: MoEUpPipeKey):
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
     Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
     bulk, pf = bulk_g2s(), bulk_prefetch_l2()
+    bulk_ring = _ring_copy(key.l2_hints)  # the ring's weight copies (z and the tables: plain)
     PF = key.prefetch_down
     TR = key.trace
     EARLY = key.early_slots
@@ -481,14 +504,14 @@ def _build_up(key: MoEUpPipeKey):
         ds = s_base + slot * (2 * S_BYTES)
         if PAD:  # a bulk copy per row, each row to its padded place
             for r in range(RB_UP):
-                bulk(dw + r * (WROWP * 4), mW1.iterator.toint() + Int64(row + r) * (WROW * 4), WROW * 4, b)
-                bulk(dw + WS_BYTES + r * (WROWP * 4), mW3.iterator.toint() + Int64(row + r) * (WROW * 4),
-                     WROW * 4, b)
+                bulk_ring(dw + r * (WROWP * 4), mW1.iterator.toint() + Int64(row + r) * (WROW * 4), WROW * 4, b)
+                bulk_ring(dw + WS_BYTES + r * (WROWP * 4), mW3.iterator.toint() + Int64(row + r) * (WROW * 4),
+                          WROW * 4, b)
         else:
-            bulk(dw, mW1.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
-            bulk(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
-        bulk(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
-        bulk(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+            bulk_ring(dw, mW1.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+            bulk_ring(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+        bulk_ring(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+        bulk_ring(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
 
     @cute.jit
     def stage_prologue_up(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
@@ -999,6 +1022,11 @@ class MoEDownPipeKey:
     # over moe_up's, the routing tables left where moe_up's prologue staged them, and the wait for moe_up's CTAs on
     # 'dflag''s counter (flag_wait). False: its own launch
     merged: bool = False
+    # 'l2h': the ring's bulk copies of W2, its scales and the shared down rows carry an L2 evict_first policy, and the
+    # prefetch of the tail's W_up rows (tailN) evict_last: between this launch's start and the tail's last rounds
+    # about 60 MB (moe_down's 23, the tail's first rows) stream through the 50 MB L2, which under a plain
+    # least-recently-used order would evict the prefetched rows before the tail reads them
+    l2_hints: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -1088,7 +1116,8 @@ def _build_down(key: MoEDownPipeKey):
     assert 0 <= PT <= D
     PT_BYTES = PT * L * 2
     PT_N = -(-PT_BYTES // PF_CHUNK)
-    pf = bulk_prefetch_l2()
+    pf = _tail_prefetch(key.l2_hints)
+    bulk_ring = _ring_copy(key.l2_hints)
     RG, KS, ST, G, PDL = key.warps, key.ksplit, key.stages, key.ctas, key.pdl
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = key.max_tokens
@@ -1157,11 +1186,11 @@ def _build_down(key: MoEDownPipeKey):
             rb = k // nact
             row = mAct[k - rb * nact] * L + rb * RBD
             cute.arch.mbarrier_arrive_and_expect_tx(bar, W_BYTES + S_BYTES)
-            bulk(dw, mW2.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
-            bulk(s_base + slot * S_BYTES, mS2.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+            bulk_ring(dw, mW2.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+            bulk_ring(s_base + slot * S_BYTES, mS2.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
         else:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, RSH * 2 * S)
-            bulk(dw, mWd.iterator.toint() + Int64(k - ne) * (RSH * 2 * S), RSH * 2 * S, b)
+            bulk_ring(dw, mWd.iterator.toint() + Int64(k - ne) * (RSH * 2 * S), RSH * 2 * S, b)
 
     @cute.jit
     def bulk_tables(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
@@ -1925,12 +1954,14 @@ def build_experts_pipe(key: MoEExpertsPipeKey):
 MERGED_DOWN_ARGS = (7, 9, 10, 11, 14, 15, 17, 19)  # indices into down_pipe_args of the merged kernel's last arguments
 # the merged kernel's variants built ahead of time (TP8, with and without PDL): downearly3 requests all of moe_down's
 # ring slots as soon as a CTA's gate/up items are done, before the counter's wait
-MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584")
+MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584", "merge-tail2048-l2h",
+                  "merge-tail3584-l2h")
 
 
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
-                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3", "tail2048")
+                "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3", "tail2048", "l2h",
+                "tail2048-l2h", "tail3584-l2h")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
@@ -1971,7 +2002,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     flag once its tables are written; moe_up polls it before its wait and requests N ring slots (its z in the last,
     as zlast), moe_down clears it) [uflag0], merge (moe_up and moe_down as the two phases of one launch, met on
     dflagt's counter: `MoEExpertsPipeKey`) [off], tailN (moe_down prefetches the tail's last N W_up
-    rows) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
+    rows) [0], l2h (L2 priorities: both rings' weight copies evict_first, the tailN prefetch evict_last) [off], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
     runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run35 = RUN35 (the defaults of runs 35-38), run20 = RUN20 (the defaults of runs 20-23), run17 =
@@ -2006,6 +2037,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
         elif m := re.fullmatch(r"dflag([01t]?)", tok):
             up["done_flag"] = {"0": 0, "t": 2}.get(m.group(1), 1)
             down["flag_wait"] = m.group(1) != "0"
+        elif tok == "l2h":  # L2 priorities: the rings' weights evict_first, the tail's prefetch evict_last
+            up["l2_hints"] = down["l2_hints"] = True
         elif tok == "f16":
             up["fp16"] = True
         elif tok == "zswz":
@@ -2045,7 +2078,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"(moe_up's padded ring rows), zlast0/zlast1 (moe_up stages z in its ring's last "
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
                              f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), merge (moe_up and moe_down in one launch), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
-                             f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), "
+                             f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), l2h (L2 "
+                             f"priorities: the rings evict_first, the tail's prefetch evict_last), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush") or down.get("lazy_flush"):  # the in-line flushes: alternatives to the flush warps
@@ -2152,6 +2186,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
             parts.append(f"downmax{down.max_tokens}")
         if down.shared_first:
             parts.append({1: "sfirst", 2: "sfirst2"}[down.shared_first])
+    if up.l2_hints or (isinstance(down, MoEDownPipeKey) and down.l2_hints):
+        parts.append("l2h")
     name = "-".join(parts) or "default"
     return {RUN17: "run17", RUN20: "run20", RUN24: "run24", RUN27: "run27", RUN35: "run35"}.get(name, name)
 

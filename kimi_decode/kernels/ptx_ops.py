@@ -6,6 +6,10 @@
                                        address `src` into L2 without waiting or using a register or shared
                                        memory (a later launch's bytes, fetched while this one is not
                                        bandwidth-bound)
+    bulk_g2s_hinted(dst, src, nbytes, mbar, hint), bulk_prefetch_l2_hinted(src, nbytes, hint)
+                                       the same with an L2 eviction priority for the bytes they bring
+                                       (`hint`, fixed at trace time: "evict_first", "evict_last", ...; a
+                                       createpolicy.fractional policy over all of them)
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
     mma_f16(a, b, c) -> d              mma.sync m16n8k16, f16 A (4 regs) × f16 B (2 regs) + fp32 C (4)
     e4m3x2_to_f16x2(x) -> (lo, hi)     the 4 E4M3 bytes of x as two f16 pairs: bytes (0, 1) and (2, 3) (cvt, exact)
@@ -29,6 +33,7 @@ b2b3 = k 2c+8..2c+9, column g. C/D c0c1 = row g, columns 2c..2c+1; c2c3 = row g+
 
 
 _OPS = {}
+L2_HINTS = ("evict_first", "evict_last", "evict_normal", "evict_unchanged")  # createpolicy.fractional's priorities
 
 
 def _ops():
@@ -53,6 +58,24 @@ def _ops():
     def bulk_prefetch_l2(src, nbytes, *, loc=None, ip=None):
         asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
             "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
+
+    def policy(hint):
+        if hint not in L2_HINTS:
+            raise ValueError(f"L2 eviction hint must be one of {L2_HINTS}; got {hint!r}")
+        return f".reg .b64 pol;\ncreatepolicy.fractional.L2::{hint}.b64 pol, 1.0;\n"
+
+    @dsl_user_op
+    def bulk_g2s_hinted(dst, src, nbytes, mbar, hint, *, loc=None, ip=None):
+        asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+                   Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(mbar).ir_value(loc=loc, ip=ip)],
+            "{\n" + policy(hint) + "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+            "[$0], [$1], $2, [$3], pol;\n}", "r,l,r,r", loc, ip)
+
+    @dsl_user_op
+    def bulk_prefetch_l2_hinted(src, nbytes, hint, *, loc=None, ip=None):
+        asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
+            "{\n" + policy(hint) + "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, pol;\n}", "l,r",
+            loc, ip)
 
     def make_mma(ab):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
@@ -156,7 +179,8 @@ def _ops():
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
                 bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
                 ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait,
-                bf16x2_to_f32_here=bf16x2_to_f32_here, mbar_inval=mbar_inval)
+                bf16x2_to_f32_here=bf16x2_to_f32_here, mbar_inval=mbar_inval, bulk_g2s_hinted=bulk_g2s_hinted,
+                bulk_prefetch_l2_hinted=bulk_prefetch_l2_hinted)
     return _OPS
 
 
@@ -169,8 +193,9 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here, mbar_inval) = (
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here, mbar_inval, bulk_g2s_hinted,
+ bulk_prefetch_l2_hinted) = (
     _accessor(n) for n in (
         "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
         "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait",
-        "bf16x2_to_f32_here", "mbar_inval"))
+        "bf16x2_to_f32_here", "mbar_inval", "bulk_g2s_hinted", "bulk_prefetch_l2_hinted"))
