@@ -67,7 +67,7 @@ def warp_trace_name(slot: int) -> str:
         return f"item{n}_epi_{('began', 'ended')[k]}"
     return f"item{n}_w{warp}_{('waited', 'computed')[k]}"
 PF_MAX_ACTIVE = 32  # moe_up prefetches the active experts' W2 only up to this many (about 23 MB at TP8);
-# more would not stay in the 50 MB L2 next to moe_up's own bytes
+# more would not stay in the L2 (50 MB on the H100, 60 on the H200) next to moe_up's own bytes
 
 
 @dataclass(frozen=True)
@@ -1024,8 +1024,8 @@ class MoEDownPipeKey:
     merged: bool = False
     # 'l2h': the ring's bulk copies of W2, its scales and the shared down rows carry an L2 evict_first policy, and the
     # prefetch of the tail's W_up rows (tailN) evict_last: between this launch's start and the tail's last rounds
-    # about 60 MB (moe_down's 23, the tail's first rows) stream through the 50 MB L2, which under a plain
-    # least-recently-used order would evict the prefetched rows before the tail reads them
+    # about 60 MB (moe_down's 23, the tail's first rows) stream through the L2 (60 MB on the H200, 50 on the H100),
+    # which under a plain least-recently-used order would evict the prefetched rows before the tail reads them
     l2_hints: bool = False
     arch: str = "sm_90a"
 
