@@ -124,6 +124,7 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
                         copies_w, execs = _moe_copies(make, w, copies_w, copies, N, seed)
                         t = time_graph(execs, replays=replays)
                         row.update(us_median=t.us_median, us_p10=t.us_p10, us_p90=t.us_p90, replays=t.replays,
+                                   us_first=t.us_first, warmup_replays=t.warmup_replays,
                                    copies=copies, **t.count_columns(),
                                    kernels_inventory=len(execs[0].launches()), bytes_streamed=streamed,
                                    achieved_GBps=streamed / (t.us_median * 1e-6) / 1e9, copy_bw_GBps=copy_bw / 1e9,

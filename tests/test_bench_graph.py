@@ -77,3 +77,19 @@ def test_a_contiguous_copy_is_a_memcpy_node_and_counts_as_a_launch():
 
     t = time_graph([step, step, step], replays=5, warmup=1)
     assert t.copy_nodes_per_layer == 1 and t.kernels_per_layer == 1 and t.launches_per_layer == 2
+
+
+@pytest.mark.gpu
+def test_warmup_fills_its_time_and_the_first_replays_are_reported():
+    """time_graph warms up for at least `warmup_ms` of replays (more than `warmup` when a replay is short), none
+    beyond `warmup` when warmup_ms is 0, and reports the median of the first timed replays beside the median."""
+    from kimi_decode.bench import FIRST_REPLAYS
+    a = torch.randn(1 << 16, device="cuda")
+
+    def step():
+        a.mul_(1.0)
+
+    t = time_graph([step], replays=2 * FIRST_REPLAYS, warmup=2, warmup_ms=5.0)
+    assert t.warmup_replays > 2  # a replay of one small kernel takes microseconds: 5 ms needs many
+    assert t.us_first > 0 and t.us_p10 <= t.us_median <= t.us_p90
+    assert time_graph([step], replays=3, warmup=2, warmup_ms=0).warmup_replays == 2
