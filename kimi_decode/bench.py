@@ -191,10 +191,10 @@ FIRST_REPLAYS = 10  # GraphTiming.us_first: the median of this many of the first
 def time_graph(step_fns: list[Callable[[], None]], replays: int = 100, warmup: int = 5,
                progress: bool = False, warmup_ms: float = 25.0) -> GraphTiming:
     """Capture `step_fns` (one per layer copy) in one CUDA graph; time its replays. Before timing it replays the
-    graph `warmup` times and then, at that pace, as many more as fill `warmup_ms` of GPU time: in the MoE tables
-    up to run 69 the executor timed right after the stock schedule (and only that one) had a tail of slow
-    replays (p90 4-5 µs above its median on the H200, about 9 µs on the H100, against under 1.5 µs for the
-    others) after 5 warm-up replays of a few hundred microseconds each."""
+    graph `warmup` times and then, at that pace, as many more as fill `warmup_ms` of GPU time: in most MoE tables
+    up to run 69 the executor timed right after the stock schedule had a tail of slow replays (p90 4-5 µs above
+    its median on the H200, about 9 µs on the H100; under 1.5 µs for the other executors and for the same one
+    timed first) after 5 warm-up replays of a few hundred microseconds each."""
     copies = len(step_fns)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
