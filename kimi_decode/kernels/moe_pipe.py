@@ -23,6 +23,7 @@ super-block takes codes (s, s+4) and (s+2, s+6) of word 4c+b.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from .. import compile as kc
@@ -208,22 +209,9 @@ F16_B_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7))
 _RING_INIT = None
 
 
-def _ring_copy(hinted: bool):
-    """the bulk copy a ring slot's weights come by: plain, or ('l2h') with an L2 evict_first policy"""
-    from .ptx_ops import bulk_g2s, bulk_g2s_hinted
-    if not hinted:
-        return bulk_g2s()
-    hinted_copy = bulk_g2s_hinted()
-    return lambda dst, src, nbytes, mbar: hinted_copy(dst, src, nbytes, mbar, "evict_first")
-
-
-def _tail_prefetch(hinted: bool):
-    """the L2 prefetch of the tail's W_up rows: plain, or ('l2h') evict_last"""
-    from .ptx_ops import bulk_prefetch_l2, bulk_prefetch_l2_hinted
-    if not hinted:
-        return bulk_prefetch_l2()
-    hinted_pf = bulk_prefetch_l2_hinted()
-    return lambda src, nbytes: hinted_pf(src, nbytes, "evict_last")
+def _hint(on: bool, hint: str):
+    """the L2 priority an 'l2h' copy or prefetch carries (`ptx_ops.L2_HINTS`), or None (the default policy)"""
+    return hint if on else None
 
 
 def ring_init():
@@ -466,7 +454,7 @@ def _build_up(key: MoEUpPipeKey):
     assert W_BYTES % 16 == 0 and S_BYTES % 16 == 0
     Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
     bulk, pf = bulk_g2s(), bulk_prefetch_l2()
-    bulk_ring = _ring_copy(key.l2_hints)  # the ring's weight copies (z and the tables: plain)
+    bulk_ring = functools.partial(bulk, hint=_hint(key.l2_hints, "evict_first"))  # z and the tables: plain
     PF = key.prefetch_down
     TR = key.trace
     EARLY = key.early_slots
@@ -1116,8 +1104,7 @@ def _build_down(key: MoEDownPipeKey):
     assert 0 <= PT <= D
     PT_BYTES = PT * L * 2
     PT_N = -(-PT_BYTES // PF_CHUNK)
-    pf = _tail_prefetch(key.l2_hints)
-    bulk_ring = _ring_copy(key.l2_hints)
+    pf = functools.partial(bulk_prefetch_l2(), hint=_hint(key.l2_hints, "evict_last"))
     RG, KS, ST, G, PDL = key.warps, key.ksplit, key.stages, key.ctas, key.pdl
     WARPS = RG * KS  # compute warps: RG row groups of 16 rows, each split KS ways along K
     MXT = key.max_tokens
@@ -1174,6 +1161,7 @@ def _build_down(key: MoEDownPipeKey):
     assert RSH % (SHW * RPWS) == 0
     SHQ = RSH // (SHW * RPWS)  # shared rows per lane group
     bulk, unpack = bulk_g2s(), bf16x2_to_f32()
+    bulk_ring = functools.partial(bulk, hint=_hint(key.l2_hints, "evict_first"))  # a and the tables: plain
 
     @cute.jit
     def issue(k: Int32, slot: Int32, ne: Int32, nact: Int32, mAct: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,

@@ -1,15 +1,16 @@
 """Single PTX instructions the CuTe DSL kernels need as traced calls (inline asm, SM90).
 
-    bulk_g2s(dst, src, nbytes, mbar)   cp.async.bulk global -> shared, completing `nbytes` of the
+    bulk_g2s(dst, src, nbytes, mbar, hint=None)
+                                       cp.async.bulk global -> shared, completing `nbytes` of the
                                        transaction count of the mbarrier at shared address `mbar`
-    bulk_prefetch_l2(src, nbytes)      cp.async.bulk.prefetch.L2: bring `nbytes` (a multiple of 16) at global
+    bulk_prefetch_l2(src, nbytes, hint=None)
+                                       cp.async.bulk.prefetch.L2: bring `nbytes` (a multiple of 16) at global
                                        address `src` into L2 without waiting or using a register or shared
                                        memory (a later launch's bytes, fetched while this one is not
                                        bandwidth-bound)
-    bulk_g2s_hinted(dst, src, nbytes, mbar, hint), bulk_prefetch_l2_hinted(src, nbytes, hint)
-                                       the same with an L2 eviction priority for the bytes they bring
-                                       (`hint`, fixed at trace time: "evict_first", "evict_last", ...; a
-                                       createpolicy.fractional policy over all of them)
+                                       Both with `hint` (fixed at trace time, one of L2_HINTS: "evict_first",
+                                       "evict_last", ...) give the bytes they bring that L2 eviction priority
+                                       (.L2::cache_hint with a createpolicy.fractional policy over all of them)
     mma_bf16(a, b, c) -> d             mma.sync m16n8k16, bf16 A (4 regs) × bf16 B (2 regs) + fp32 C (4)
     mma_f16(a, b, c) -> d              mma.sync m16n8k16, f16 A (4 regs) × f16 B (2 regs) + fp32 C (4)
     e4m3x2_to_f16x2(x) -> (lo, hi)     the 4 E4M3 bytes of x as two f16 pairs: bytes (0, 1) and (2, 3) (cvt, exact)
@@ -47,35 +48,27 @@ def _ops():
         return llvm.inline_asm(result, args, text, constraints, has_side_effects=result is None,
                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
-    @dsl_user_op
-    def bulk_g2s(dst, src, nbytes, mbar, *, loc=None, ip=None):
-        asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
-                   Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(mbar).ir_value(loc=loc, ip=ip)],
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-            "r,l,r,r", loc, ip)
-
-    @dsl_user_op
-    def bulk_prefetch_l2(src, nbytes, *, loc=None, ip=None):
-        asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-            "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", loc, ip)
-
-    def policy(hint):
+    def with_policy(text, hint):
+        """`text` (one bulk instruction ending in its operands and ';'), plain or with an L2 eviction priority"""
+        if hint is None:
+            return text
         if hint not in L2_HINTS:
             raise ValueError(f"L2 eviction hint must be one of {L2_HINTS}; got {hint!r}")
-        return f".reg .b64 pol;\ncreatepolicy.fractional.L2::{hint}.b64 pol, 1.0;\n"
+        op, operands = text.split(" ", 1)
+        return (f"{{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::{hint}.b64 pol, 1.0;\n"
+                f"{op}.L2::cache_hint {operands[:-1]}, pol;\n}}")
 
     @dsl_user_op
-    def bulk_g2s_hinted(dst, src, nbytes, mbar, hint, *, loc=None, ip=None):
+    def bulk_g2s(dst, src, nbytes, mbar, hint=None, *, loc=None, ip=None):
         asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
                    Int32(nbytes).ir_value(loc=loc, ip=ip), Int32(mbar).ir_value(loc=loc, ip=ip)],
-            "{\n" + policy(hint) + "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
-            "[$0], [$1], $2, [$3], pol;\n}", "r,l,r,r", loc, ip)
+            with_policy("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                        hint), "r,l,r,r", loc, ip)
 
     @dsl_user_op
-    def bulk_prefetch_l2_hinted(src, nbytes, hint, *, loc=None, ip=None):
+    def bulk_prefetch_l2(src, nbytes, hint=None, *, loc=None, ip=None):
         asm(None, [Int64(src).ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-            "{\n" + policy(hint) + "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$0], $1, pol;\n}", "l,r",
-            loc, ip)
+            with_policy("cp.async.bulk.prefetch.L2.global [$0], $1;", hint), "l,r", loc, ip)
 
     def make_mma(ab):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
@@ -179,8 +172,7 @@ def _ops():
                 e4m3x2_to_f16x2=e4m3x2_to_f16x2, pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2,
                 bf16x2_to_f32=bf16x2_to_f32, as_f32=as_f32, f32_bits=f32_bits, timestamps=timestamps,
                 ld_v4_f32=ld_v4_f32, red_add_v4_f32=red_add_v4_f32, mbar_spin_wait=mbar_spin_wait,
-                bf16x2_to_f32_here=bf16x2_to_f32_here, mbar_inval=mbar_inval, bulk_g2s_hinted=bulk_g2s_hinted,
-                bulk_prefetch_l2_hinted=bulk_prefetch_l2_hinted)
+                bf16x2_to_f32_here=bf16x2_to_f32_here, mbar_inval=mbar_inval)
     return _OPS
 
 
@@ -193,9 +185,8 @@ def _accessor(name):
 
 
 (bulk_g2s, bulk_prefetch_l2, mma_bf16, mma_f16, e4m3x2_to_f16x2, pack_bf16x2, pack_f16x2, bf16x2_to_f32, as_f32,
- f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here, mbar_inval, bulk_g2s_hinted,
- bulk_prefetch_l2_hinted) = (
+ f32_bits, timestamps, ld_v4_f32, red_add_v4_f32, mbar_spin_wait, bf16x2_to_f32_here, mbar_inval) = (
     _accessor(n) for n in (
         "bulk_g2s", "bulk_prefetch_l2", "mma_bf16", "mma_f16", "e4m3x2_to_f16x2", "pack_bf16x2", "pack_f16x2",
         "bf16x2_to_f32", "as_f32", "f32_bits", "timestamps", "ld_v4_f32", "red_add_v4_f32", "mbar_spin_wait",
-        "bf16x2_to_f32_here", "mbar_inval", "bulk_g2s_hinted", "bulk_prefetch_l2_hinted"))
+        "bf16x2_to_f32_here", "mbar_inval"))
