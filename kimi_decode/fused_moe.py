@@ -190,7 +190,13 @@ class FusedMoE:
         # the front kernel and, in the variant name, the routing kernels' options where they changed it
         # 'uflag': the front's routing sets the flag moe_up polls before its wait
         route_flag = isinstance(up_key, kp.MoEUpPipeKey) and up_key.route_early > 0
-        front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch, route_flag=route_flag)
+        # 'shup': moe_up streams the shared gate/up rows, the front GEMV stops before them
+        self.shared_up = shup = isinstance(up_key, kp.MoEUpPipeKey) and up_key.shared_up
+        if shup and separate_routing:
+            raise ValueError("shup streams the shared gate/up rows in moe_up at one or two tokens, with the routing in "
+                             "the front kernel: it cannot go with separate_routing=True")
+        front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch, route_flag=route_flag,
+                                           shared_rows=not shup)
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
             raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
@@ -284,11 +290,17 @@ class FusedMoE:
         self.trace_up = torch.zeros(kp.H200_SMS, 2, kp.TRACE_BUF, dtype=torch.int64, device=dev)
         self.trace_down = torch.zeros_like(self.trace_up)
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
+        if shup:  # x and the shared gate/up rows, which moe_up streams itself
+            up_extra += (x, w.shared_gate_up)
         down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
-        up_bytes = act * e_up + N * km.L * 4 + N * 2 * S * 4
+        up_bytes = act * e_up + N * km.L * 4 + (_nbytes(w.shared_gate_up, x) if shup else N * 2 * S * 4)
+        front_rows = shape.sh0 if shup else shape.ncat  # weight rows the front GEMV streams
+        front_w_bytes = _nbytes(self.w_front) * front_rows // shape.ncat
         down_bytes = act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm)
         up_flops, down_flops = 2 * N * 16 * km.L * 2 * I, 2 * N * 16 * I * km.L + 2 * N * S * km.D
+        if shup:
+            up_flops += 2 * N * 2 * S * km.D
         if merged:
             experts = [Launch(
                 "moe.experts", "Marlin GEMM1 + situ_and_mul + GEMM2 + top-k sum + latent all-reduce read, shared "
@@ -299,7 +311,8 @@ class FusedMoE:
                                  self.cnt, self.r, self.sh, self.norm, w.up, self.trace_down))]
         else:
             experts = [
-                Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared situ_and_mul (fused)", "CuTe DSL",
+                Launch("moe.up", "Marlin GEMM1 + situ_and_mul, shared " + ("gate_up + " if shup else "") +
+                       "situ_and_mul (fused)", "CuTe DSL",
                        up_bytes, _nbytes(self.a, self.a_sh), up_flops,
                        run=lambda: f[1](self.front, self.w1, self.s1, self.w3, self.s3, self.meta, self.act, self.list,
                                         self.tok, self.a, self.a_sh, self.lat, self.ssq, *up_extra)),
@@ -309,8 +322,9 @@ class FusedMoE:
                                         self.lat, self.coef, self.cnt, self.r, self.a_sh, w.shared_down, self.sh,
                                         self.norm, self.ssq, *down_extra))]
         self._launches = [
-            Launch("moe.front", "router GEMM + grouped_topk + down_proj + shared gate_up (fused)", "CuTe DSL",
-                   _nbytes(self.w_front, x, self.bias), _nbytes(self.front, self.ids, self.wts), 2 * N * km.D * shape.ncat,
+            Launch("moe.front", "router GEMM + grouped_topk + down_proj" + ("" if shup else " + shared gate_up") +
+                   " (fused)", "CuTe DSL", front_w_bytes + _nbytes(x, self.bias), _nbytes(self.front, self.ids, self.wts),
+                   2 * N * km.D * front_rows,
                    run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
                                     self.act, self.list, self.tok)),
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",

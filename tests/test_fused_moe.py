@@ -402,6 +402,51 @@ def test_spread_decode_and_z_last_options_compile(compiler):
         assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
 
 
+def test_shared_up_streams_the_shared_rows_through_moe_ups_ring(compiler):
+    """shup: the front GEMV stops after the router and latent-down rows, and moe_up streams the shared gate/up rows
+    (one gate and one up row an item) ahead of its expert items: their slots and x are requested before
+    griddepcontrol.wait (the default requests nothing before it), the expert items keep their mma count, the shared
+    rows are summed on CUDA cores (fp32 FMA per bf16 pair) and across lanes by shuffles; one token by default,
+    two with upmax2; no spills, within the shared-memory budget; refused with the options it cannot go with."""
+    import re
+
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("shup")
+    assert u == {"shared_up": True, "max_tokens": 1} and d == {}
+    assert kp.parse_pipe_variant("upmax2-shup")[0]["max_tokens"] == 2
+    assert kp.parse_pipe_variant("shup-upmax2")[0]["max_tokens"] == 2
+    for bad in ("shup-zlast", "shup-f16", "shup-bal", "shup-pf1", "shup-merge", "shup-uflag1", "shup-epi0",
+                "shup-sfirst", "shup-upw16", "upmax4-shup"):
+        with pytest.raises(ValueError, match="shup"):
+            kp.parse_pipe_variant(bad)
+    one, two = (kp.MoEUpPipeKey(s, **kp.parse_pipe_variant(v)[0]) for v in ("shup", "upmax2-shup"))
+    base = kp.MoEUpPipeKey(s)
+    for v, key in (("shup", one), ("upmax2-shup", two)):
+        assert kp.pipe_variant_name(key, kp.MoEDownPipeKey(s)) == v
+        assert kp.up_pipe_smem_bytes(key) <= kp.SMEM_BUDGET
+
+    def ptx(key):
+        return kc.ptx_text(key)
+
+    p0, p1, p2 = ptx(base), ptx(one), ptx(two)
+    before = [t[:t.index("griddepcontrol.wait")].count("cp.async.bulk.shared") for t in (p0, p1)]
+    assert before[0] == 0 and before[1] >= 1 + kp.MoEUpPipeKey.stages * 2, before  # x, then 2 rows a slot
+    assert p1.count("mma.sync") == p0.count("mma.sync")  # the expert items as before
+    fma = [len(re.findall(r"fma\.rn\.f32", t)) for t in (p0, p1, p2)]
+    assert fma[1] - fma[0] >= 2 * 2 * 4 * 2 and fma[2] - fma[1] >= 2 * 2 * 4 * 2, fma  # 2 chunks x 4 words x 2 rows x 2
+    assert p1.count("shfl.sync") > p0.count("shfl.sync")
+    for key in (one, two):
+        assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
+    front = km.front_key_for(s, 1, False, {}, "sm_90a", shared_rows=False)[0]
+    assert not front.shared_rows and front in km.FRONT.aot_keys("sm_90a")
+    assert kc.resource_usage(front)["LOCAL"] == 0
+    with pytest.raises(ValueError, match="shup"):
+        km.front_key_for(s, 1, False, {"front_pdl": True}, "sm_90a", shared_rows=False)
+
+
 def test_sixteen_up_warps_balance_the_sub_partitions(compiler):
     """upw16: warps 0..11 take two super-blocks, 12..15 one, so every row's 28 super-blocks are taken once and each
     sub-partition (warps w = s mod 4) has 7 (14 warps: 8, 8, 6, 6); same mma count as the default, no spill."""

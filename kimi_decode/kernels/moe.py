@@ -157,6 +157,9 @@ class MoEFrontKey:
     # 'uflag' (with the pipelined moe_up's route_early): once the routing tables are written, the routing CTA sets
     # meta[ROUTED_FLAG] (release), so that moe_up can request its first ring slots before the front ends
     route_flag: bool = False
+    # the shared experts' gate/up rows in the GEMV (the default). False ('shup', one or two tokens): the front stops
+    # after the router and latent-down rows and the pipelined moe_up streams the shared gate/up rows itself
+    shared_rows: bool = True
     arch: str = "sm_90a"
 
 
@@ -634,7 +637,8 @@ def build_front(key: MoEFrontKey):
     from cutlass import Float32, Int32, const_expr
 
     sh = key.shape
-    N, K, MT = sh.ncat, D, key.m_tile
+    N, K, MT = (sh.ncat if key.shared_rows else sh.sh0), D, key.m_tile  # rows it computes
+    NCAT = sh.ncat  # the weight's and the output's rows (the shared rows' outputs left unwritten without them)
     R, WARPS, U = default_tiling(N, K, MT)
     RM = R * MT
     THREADS = 32 * WARPS
@@ -703,9 +707,9 @@ def build_front(key: MoEFrontKey):
     m = cute.sym_int()
     from cutlass import BFloat16
     args = (
-        fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16),
+        fake(BFloat16, (NCAT, K), stride_order=(1, 0), assumed_align=16),
         fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16),
-        fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16),
+        fake(Float32, (m, NCAT), stride_order=(1, 0), assumed_align=16),
         *_routing_fakes(m),
     )
     return front_host, args
@@ -1147,7 +1151,7 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
 
 
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
-                  arch: str = "sm_90a", route_flag: bool = False) -> tuple:
+                  arch: str = "sm_90a", route_flag: bool = False, shared_rows: bool = True) -> tuple:
     """The front kernel's key for a step of m tokens with the routing options `options` (`split_front_options`),
     and the tags of the options that changed it from the default (for the variant name): the plain GEMV
     (`MoEFrontKey`) at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES). One token with
@@ -1155,7 +1159,9 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     runs 50-51: slower; 'fringRxS' with R rows per slot and S slots); 'skeys', the routing keys in shared memory and FRONT_SKEYS_CTAS CTAs per SM (run 49:
     slower); 'foccN', N CTAs per SM; 'fpdl', the plain front as a programmatic dependent (`MoEFrontKey.pdl`).
     route_flag: the routing CTA sets meta[ROUTED_FLAG] for moe_up's 'uflag' (the plain front only; refused with
-    separate routing or the ring front)."""
+    separate routing or the ring front).
+    shared_rows: False for moe_up's 'shup', which streams the shared experts' gate/up rows itself (the plain front
+    only)."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
@@ -1177,11 +1183,14 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     if route_flag and (separate_routing or ring):
         raise ValueError("uflag: the routing flag is set by the plain front kernel's routing; it cannot go with the "
                          "routing as its own launch or the ring front (fring)")
+    if not shared_rows and (ring or pdl):
+        raise ValueError("shup: moe_up streams the shared gate/up rows and reads x before its wait, which needs the "
+                         "plain front launched in stream order; it cannot go with fring or fpdl")
     if ring:
         return ring_key, tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, pdl=pdl, route_flag=route_flag,
-                      arch=arch)  # no routing: the default key
+                      shared_rows=shared_rows, arch=arch)  # no routing: the default key
     return key, tags
 
 
@@ -1237,6 +1246,8 @@ def aot_keys_for(kind: str):
                     for m in (1, 2, 3, 8):
                         out.append(front_key_for(s, m, False, {}, arch, route_flag=True)[0])
                     out += [front_key_for(s, 1, False, {"front_pdl": True}, arch, route_flag=f)[0] for f in (False, True)]
+                    # 'shup' (moe_up streams the shared gate/up rows): one and two tokens
+                    out += [front_key_for(s, m, False, {}, arch, shared_rows=False)[0] for m in (1, 2)]
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:

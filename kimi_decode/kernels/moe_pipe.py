@@ -167,6 +167,14 @@ class MoEUpPipeKey:
     # step), so that what the step brings into L2 for later (moe_down's prefetch of the tail's W_up rows, evict_last)
     # is not the first to go. False: the default policy
     l2_hints: bool = False
+    # 'shup' (one token; upmax2: two; the front without the shared rows, `moe.MoEFrontKey.shared_rows`): moe_up
+    # streams the shared experts' gate/up rows itself, one gate and one up row (bf16, K = D) an item, through its
+    # ring ahead of the expert items. They read only x and weights, so each CTA requests its first slots and x
+    # (staged once) before griddepcontrol.wait; the compute warps split the row's K and sum on CUDA cores, the
+    # epilogue warp finishes the sum and writes a_shared. The front GEMV loses 22 MB (at TP8) that moe_up, bound by
+    # its items' instruction issue at about two thirds of the copy bandwidth, streams beside its expert items and
+    # through its start (the wait, the routing tables, z). z is staged by plain loads (the ring is busy)
+    shared_up: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -195,6 +203,8 @@ class MoEUpPipeKey:
 # 'bal': half super-blocks per compute warp (14 warps): sub-partitions 0 and 1 take 15 halves, 2 (which also runs the
 # epilogue warp) 12, 3 14: of a row's 56 halves, warp w takes the UP_BALANCED_HALVES[w] after those of warps < w
 UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
+
+SHUP_MAX_M = 2  # 'shup': tokens its builds take (x staged in shared memory beside the ring; partials per lane)
 
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
@@ -399,6 +409,8 @@ def _up_fixed_bytes(key: MoEUpPipeKey) -> int:
 
 def up_pipe_smem_bytes(key: MoEUpPipeKey) -> int:
     extra = (64 if key.prologue else 0) + (key.warps * 32 * 4 * 4 if key.epilogue_warp else 0)
+    if key.shared_up:  # 'shup': x (bf16) and its mbarrier
+        extra += key.max_tokens * D * 2 + 16
     return key.stages * (_up_stage_bytes(key.shape, key.row_pad) + 8) + _up_fixed_bytes(key) + extra
 
 
@@ -480,6 +492,15 @@ def _build_up(key: MoEUpPipeKey):
     PF_E = PF_W + PF_S  # prefetch chunks per active expert
     PF_SD = -(-SD_BYTES // PF_CHUNK)
     assert W2_BYTES % 16 == 0 and S2_BYTES % 16 == 0 and SD_BYTES % 16 == 0
+    SHUP = key.shared_up
+    NSHI = sh.shared if SHUP else 0  # 'shup': shared items (one gate and one up row each) before the expert items
+    SH_BYTES = D * 2  # one shared gate (or up) row, bf16
+    WS_WORDS = RB_UP * WROWP  # a slot's W1 (or W3) part in words: a shared item's gate (or up) row
+    if SHUP:
+        assert PRO and EPI and not (ZL or RE or F16 or BAL or PF or MERGED or DFLAG or EARLY), \
+            "shup: the merged prologue and the epilogue warp; not with zlast, uflag, f16, bal, pf, merge or dflag"
+        assert 1 <= MXT <= SHUP_MAX_M and SH_BYTES <= WS_BYTES and NSB % WARPS == 0
+        assert D // 8 == 64 * WARPS, "shup: two 16-byte chunks of a shared row per lane of each compute warp"
 
     def issue(item, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base):
         """(one thread, traced inline) stream item's W1/W3 rows and scales into ring slot `slot`"""
@@ -500,6 +521,124 @@ def _build_up(key: MoEUpPipeKey):
             bulk_ring(dw + W_BYTES, mW3.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
         bulk_ring(ds, mS1.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
         bulk_ring(ds + S_BYTES, mS3.iterator.toint() + Int64(row) * SROW, S_BYTES, b)
+
+    def issue_shared(item, slot, mWsh, bars, w_base):
+        """(one thread, traced inline; 'shup') stream shared item `item`'s gate row and up row (bf16) into ring slot
+        `slot`, where an expert item's W1 and W3 rows go"""
+        bar = bars.iterator + slot
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * SH_BYTES)
+        b = bar.toint()
+        dw = w_base + slot * (2 * WS_BYTES)
+        bulk_ring(dw, mWsh.iterator.toint() + Int64(item) * SH_BYTES, SH_BYTES, b)
+        bulk_ring(dw + WS_BYTES, mWsh.iterator.toint() + Int64(item + NSHI) * SH_BYTES, SH_BYTES, b)
+
+    @cute.jit
+    def stage_prologue_shup(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
+                            mF: cute.Tensor, s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor,
+                            s_tok: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor, mLat: cute.Tensor,
+                            mSsq: cute.Tensor, bx: Int32, tid: Int32):
+        """(all threads, inlined; 'shup', after the wait) thread 0 bulk-copies meta and the routing tables on one
+        mbarrier; meanwhile the zeroing and every token's z (plain loads of the front's fp32 output: the ring is
+        streaming the shared items) to bf16 pairs in the mma's B order. Returns the number of active experts."""
+        M = mF.shape[0]
+        pb = pbar.iterator
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M))
+            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pb.toint())
+        for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
+            t = idx // L
+            mLat[0, t, idx - t * L] = Float32(0.0)
+        for idx in cutlass.range(bx * THREADS + tid, M, G * THREADS):
+            mSsq[idx] = Float32(0.0)
+        gF = cute.zipped_divide(mF, (1, 4))
+        for idx in cutlass.range(tid, M * (L // 8), THREADS):
+            t = idx // (L // 8)
+            o = idx - t * (L // 8)
+            z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+            z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+        cute.arch.mbarrier_wait(pb, 0)
+        return s_meta[0]
+
+    @cute.jit
+    def shared_partials(gR: cute.Tensor, gX: cute.Tensor, red: cute.Tensor, slot: Int32, buf: Int32, warp: Int32,
+                        lane: Int32):
+        """(a compute warp; 'shup') the warp's K share of a shared item's gate and up rows against each token's x:
+        two 16-byte chunks of each row per lane (chunks 64·warp + lane and + 32), bf16 pairs split to fp32 by a shift
+        and a mask; the lane's partials (gate of tokens 0..MXT-1, then up) into red[buf, warp, lane, :]"""
+        from .ptx_ops import as_f32
+
+        asf = as_f32()
+        acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+        for h in cutlass.range_constexpr(2):
+            q = warp * 64 + 32 * h + lane
+            gw = gR[(None, (slot, 0, q))].load()
+            uw = gR[(None, (slot, 1, q))].load()
+            for tt in cutlass.range_constexpr(MXT):
+                xw = gX[(None, (tt, q))].load()
+                for k in cutlass.range_constexpr(4):
+                    xl, xh = asf(xw[k] << 16), asf(xw[k] & Int32(-65536))
+                    acc[tt] = acc[tt] + asf(gw[k] << 16) * xl + asf(gw[k] & Int32(-65536)) * xh
+                    acc[MXT + tt] = acc[MXT + tt] + asf(uw[k] << 16) * xl + asf(uw[k] & Int32(-65536)) * xh
+        for r in cutlass.range_constexpr(4):
+            red[buf, warp, lane, r] = acc[r]
+
+    @cute.jit
+    def shared_epilogue(red: cute.Tensor, buf: Int32, lane: Int32, item: Int32, mAsh: cute.Tensor, M: Int32):
+        """(the epilogue warp; 'shup') the compute warps' partials summed, then over the lanes: lane t < M writes
+        token t's a_shared[item] = SiTU(gate, up)"""
+        tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+        for w_ in cutlass.range_constexpr(WARPS):
+            for r in cutlass.range_constexpr(2 * MXT):
+                tot[r] = tot[r] + red[buf, w_, lane, r]
+        for r in cutlass.range_constexpr(2 * MXT):
+            for o_ in cutlass.range_constexpr(5):
+                tot[r] = tot[r] + cute.arch.shuffle_sync_bfly(tot[r], offset=16 >> o_)
+        if lane < M:
+            gate, up_ = tot[0], tot[MXT]
+            if const_expr(MXT == 2):
+                gate = cutlass.select_(lane == 1, tot[1], gate)
+                up_ = cutlass.select_(lane == 1, tot[3], up_)
+            mAsh[lane, item] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
+
+    @cute.jit
+    def expert_partials(gW: cute.Tensor, ring_s: cute.Tensor, gZ: cute.Tensor, red: cute.Tensor, s_list: cute.Tensor,
+                        s_tok: cute.Tensor, slot: Int32, buf: Int32, warp: Int32, lane: Int32, ie: Int32):
+        """(a compute warp; 'shup') expert item ie's partials, as the default build computes them (whole rounds of
+        super-blocks, one accumulator each)"""
+        g = lane // 4
+        c = lane - 4 * g
+        j = ie // NRB
+        off = s_list[j, 0]
+        num = s_list[j, 1]
+        t = s_tok[off + cutlass.min(g, num - 1)]
+        accs = []
+        for q in cutlass.range_constexpr(NSB // WARPS):
+            acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            accs.append(up_superblock(acc, gW, ring_s, gZ, slot, g, c, warp + WARPS * q, t))
+        for r in cutlass.range_constexpr(4):
+            v = accs[0][r]
+            for q in cutlass.range_constexpr(1, len(accs)):
+                v = v + accs[q][r]
+            red[buf, warp, lane, r] = v
+
+    @cute.jit
+    def expert_epilogue(red: cute.Tensor, buf: Int32, lane: Int32, ie: Int32, s_list: cute.Tensor, mA: cute.Tensor):
+        """(the epilogue warp; 'shup') expert item ie's partials summed into SiTU -> a, as the default build does"""
+        g = lane // 4
+        c = lane - 4 * g
+        j = ie // NRB
+        i0 = (ie - j * NRB) * RB_UP
+        off = s_list[j, 0]
+        num = s_list[j, 1]
+        tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+        for w_ in cutlass.range_constexpr(WARPS):
+            for r in cutlass.range_constexpr(4):
+                tot[r] = tot[r] + red[buf, w_, lane, r]
+        for x_ in cutlass.range_constexpr(2):  # (gate, up) of the item's tokens 2c and 2c + 1
+            tk = 2 * c + x_
+            if tk < num:
+                mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
 
     @cute.jit
     def stage_prologue_up(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
@@ -625,7 +764,8 @@ def _build_up(key: MoEUpPipeKey):
     def up_main(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                 mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
                 mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
-                mWd: cute.Tensor, mTrace: cute.Tensor, raw: cute.Tensor):
+                mWd: cute.Tensor, mTrace: cute.Tensor, raw: cute.Tensor, mX: cute.Tensor, mWsh: cute.Tensor):
+        # (mX, mWsh: x and the shared gate/up rows, read by 'shup' builds only; stand-ins otherwise)
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -662,13 +802,27 @@ def _build_up(key: MoEUpPipeKey):
         bars = smem.allocate_tensor(Int64, cute.make_layout((ST,)), byte_alignment=8)
         w_base = ring_w.iterator.toint()
         s_base = ring_s.iterator.toint()
+        if const_expr(SHUP):  # x (bf16 pairs) and its mbarrier
+            sx = smem.allocate_tensor(Int32, cute.make_layout((MXT, D // 2), stride=(D // 2, 1)), byte_alignment=16)
+            xbar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
         if const_expr(PRO):
             pbar = smem.allocate_tensor(Int64, cute.make_layout((1,)), byte_alignment=8)
             if const_expr(not MERGED):
                 s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
             if tid == 0:  # nothing here reads the previous launch: before the wait
                 cute.arch.mbarrier_init(pbar.iterator, 1)
+                if const_expr(SHUP):
+                    cute.arch.mbarrier_init(xbar.iterator, 1)
             ring_init()(bars, ST)
+        if const_expr(SHUP):  # x and the shared rows do not depend on the front: before the wait
+            if tid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(xbar.iterator, M * SH_BYTES)
+                for t_ in cutlass.range(M):
+                    bulk(sx.iterator.toint() + t_ * SH_BYTES, mX.iterator.toint() + Int64(t_) * SH_BYTES, SH_BYTES,
+                         xbar.iterator.toint())
+                for s_ in cutlass.range_constexpr(ST):
+                    if bx + s_ * G < NSHI:
+                        issue_shared(bx + s_ * G, s_, mWsh, bars, w_base)
         if const_expr(PF):  # the shared experts' down projection does not depend on the routing
             if tid == 32:
                 for k in cutlass.range(bx, PF_SD, G):
@@ -693,7 +847,10 @@ def _build_up(key: MoEUpPipeKey):
         if const_expr(TR):
             if tid == 0:
                 stamp(mTrace, bx, 1)
-        if const_expr(PRO):
+        if const_expr(SHUP):
+            nact = stage_prologue_shup(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, sz, pbar, mLat,
+                                       mSsq, bx, tid)
+        elif const_expr(PRO):
             nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
                                      mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz, s_zsc,
                                      e0)
@@ -702,7 +859,7 @@ def _build_up(key: MoEUpPipeKey):
             # the routing tables, once, into shared memory: no global round trip on an item's critical path
             stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
             ring_init()(bars, ST)
-        nitems = nact * NRB
+        nitems = nact * NRB + NSHI  # ('shup': the shared items first)
         if tid == 0:
             for s in cutlass.range_constexpr(EARLY):
                 if bx + s * G < nitems:
@@ -735,9 +892,13 @@ def _build_up(key: MoEUpPipeKey):
             shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that z is in
-            if const_expr(PRO and FENCE):  # the ring held z: generic-proxy reads before the bulk writes
+            if const_expr(PRO and FENCE and not SHUP):  # the ring held z: generic-proxy reads before the bulk writes
                 cute.arch.fence_view_async_shared()
-            if const_expr(ZL):
+            if const_expr(SHUP):  # the first slots' expert items (the shared ones went out before the wait)
+                for s in cutlass.range_constexpr(ST):
+                    if bx + s * G >= NSHI and bx + s * G < nitems:
+                        issue(bx + s * G - NSHI, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            elif const_expr(ZL):
                 for s in cutlass.range(ST - nz, ST):
                     if bx + s * G < nitems:
                         issue(bx + s * G, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
@@ -756,16 +917,23 @@ def _build_up(key: MoEUpPipeKey):
             for w_ in cutlass.range_constexpr(WARPS):
                 h0 = Int32(cutlass.select_(warp == w_, Int32(HSTART[w_]), h0))
                 nh = Int32(cutlass.select_(warp == w_, Int32(UP_BALANCED_HALVES[w_]), nh))
+        if const_expr(SHUP):  # the slots as two rows of 16-byte chunks each, and x the same way
+            gR = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout(
+                (ST, 2, WS_WORDS), stride=(2 * WS_WORDS, WS_WORDS, 1))), (1, 1, 4))
+            gX = cute.zipped_divide(sx, (1, 4))
+            cute.arch.mbarrier_wait(xbar.iterator, 0)
         n = Int32(0)
         for item in cutlass.range(bx, nitems, G):
             slot = n % ST
-            j = item // NRB
-            i0 = (item - j * NRB) * RB_UP
-            off = s_list[j, 0]
-            num = s_list[j, 1]  # <= M <= 8: one mma column per token
+            if const_expr(not SHUP):  # ('shup': the expert helpers find their item's tables)
+                j = item // NRB
+                i0 = (item - j * NRB) * RB_UP
+                off = s_list[j, 0]
+                num = s_list[j, 1]  # <= M <= 8: one mma column per token
             buf = n % NB
             if warp < WARPS:  # the compute warps (all of them without an epilogue warp)
-                t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
+                if const_expr(not SHUP):
+                    t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
                 if const_expr(key.spin_wait):
                     spin((bars.iterator + slot).toint(), (n // ST) % 2)
                 else:
@@ -775,6 +943,11 @@ def _build_up(key: MoEUpPipeKey):
                         stamp(mTrace, bx, 4 + 2 * n)
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
+                if const_expr(SHUP):
+                    if item < NSHI:
+                        shared_partials(gR, gX, red, slot, buf, warp, lane)
+                    else:
+                        expert_partials(gW, ring_s, gZ, red, s_list, s_tok, slot, buf, warp, lane, item - NSHI)
                 accs = []
                 if const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -797,7 +970,7 @@ def _build_up(key: MoEUpPipeKey):
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                     accs = [acc0, acc1]
-                for q in cutlass.range_constexpr(0 if BAL or F16 else SBW):  # one accumulator per super-block: independent mma chains
+                for q in cutlass.range_constexpr(0 if BAL or F16 or SHUP else SBW):  # one accumulator per super-block: independent mma chains
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     sb = warp + WARPS * q
                     if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
@@ -806,7 +979,7 @@ def _build_up(key: MoEUpPipeKey):
                         if sb < NSB:
                             acc = up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t)
                         accs.append(acc)
-                for r in cutlass.range_constexpr(4):
+                for r in cutlass.range_constexpr(0 if SHUP else 4):
                     v = accs[0][r]
                     for q in cutlass.range_constexpr(1, len(accs)):
                         v = v + accs[q][r]
@@ -824,16 +997,27 @@ def _build_up(key: MoEUpPipeKey):
                 if item + ST * G < nitems:
                     if const_expr(FENCE):
                         cute.arch.fence_view_async_shared()
-                    issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                    if const_expr(SHUP):
+                        if item + ST * G < NSHI:
+                            issue_shared(item + ST * G, slot, mWsh, bars, w_base)
+                        else:
+                            issue(item + ST * G - NSHI, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                    else:
+                        issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if warp == (WARPS if EPI else WARPS - 1):
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 0))
+                if const_expr(SHUP):
+                    if item < NSHI:
+                        shared_epilogue(red, buf, lane, item, mAsh, M)
+                    else:
+                        expert_epilogue(red, buf, lane, item - NSHI, s_list, mA)
                 tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                for w_ in cutlass.range_constexpr(WARPS):
+                for w_ in cutlass.range_constexpr(0 if SHUP else WARPS):
                     for r in cutlass.range_constexpr(4):
                         tot[r] = tot[r] + red[buf, w_, lane, r]
-                for x_ in cutlass.range_constexpr(2):  # (gate, up) of the item's tokens 2c and 2c + 1
+                for x_ in cutlass.range_constexpr(0 if SHUP else 2):  # (gate, up) of the item's tokens 2c and 2c + 1
                     tk = 2 * c + x_
                     if tk < num:
                         gate, up_ = tot[x_], tot[2 + x_]
@@ -872,7 +1056,7 @@ def _build_up(key: MoEUpPipeKey):
                   mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
                   mWd: cute.Tensor, mTrace: cute.Tensor):
         up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace,
-                mMeta)  # (raw: a stand-in, only the merged kernel carves)
+                mMeta, mF, mF)  # (raw, mX, mWsh: stand-ins; only the merged kernel carves, only 'shup' reads x)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -882,22 +1066,44 @@ def _build_up(key: MoEUpPipeKey):
         up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace).launch(
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream, use_pdl=PDL)
 
+    @cute.kernel
+    def shup_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                    mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                    mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                    mWd: cute.Tensor, mTrace: cute.Tensor, mX: cute.Tensor, mWsh: cute.Tensor):
+        up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace,
+                mMeta, mX, mWsh)
+
+    @cute.jit
+    def shup_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor,
+                  mWd: cute.Tensor, mTrace: cute.Tensor, mX: cute.Tensor, mWsh: cute.Tensor, stream):
+        shup_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrace, mX,
+                    mWsh).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_pipe_smem_bytes(key), stream=stream,
+                                 use_pdl=PDL)
+
+    if SHUP:  # x and the shared gate/up rows after the timeline buffer
+        return shup_host, up_pipe_args(sh, shared_up=True), up_main
     return up_host, up_pipe_args(sh), up_main
 
 
-def up_pipe_args(sh: MoEShape) -> tuple:
+def up_pipe_args(sh: MoEShape, shared_up: bool = False) -> tuple:
     """Compile-time stand-ins of the pipelined moe_up's arguments: the direct kernel's (`moe.expert_up_args`),
     then moe_down's weights it may prefetch into L2 (W2 codes, W2 scales, shared down), the timeline buffer
-    (`trace_arg`), then the stream."""
+    (`trace_arg`), with shared_up ('shup') x [tokens, D] and the shared gate/up rows [2 S, D] (bf16), then the
+    stream."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8
 
     fake = cute.runtime.make_fake_compact_tensor
     *head, stream = expert_up_args(sh)
     I = sh.inter
+    shup = (fake(BFloat16, (cute.sym_int(), D), stride_order=(1, 0), assumed_align=16),
+            fake(BFloat16, (2 * sh.shared, D), stride_order=(1, 0), assumed_align=16)) if shared_up else ()
     return (*head, fake(Int32, (E, L, I // 8), stride_order=(2, 1, 0), assumed_align=16),
             fake(Uint8, (E, L, I // 32), stride_order=(2, 1, 0), assumed_align=16),
-            fake(BFloat16, (D, sh.shared), stride_order=(1, 0), assumed_align=16), trace_arg(), stream)
+            fake(BFloat16, (D, sh.shared), stride_order=(1, 0), assumed_align=16), trace_arg(), *shup, stream)
 
 
 # --------------------------------------------------------------------------- moe_down
@@ -1915,7 +2121,7 @@ def build_experts_pipe(key: MoEExpertsPipeKey):
                        mR: cute.Tensor, mSh: cute.Tensor, mNorm: cute.Tensor, mWup: cute.Tensor, mTrD: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         raw = cutlass.utils.SmemAllocator().allocate_tensor(Uint8, cute.make_layout((NB,)), byte_alignment=128)
-        up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrU, raw)
+        up_main(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq, mW2, mS2, mWd, mTrU, raw, mF, mF)
         # every thread past the first phase (its last shared-memory reads, the retired mbarriers): the second phase's
         # bulk copies may now write over what the first phase's threads read and wrote
         cute.arch.barrier()
@@ -1949,7 +2155,7 @@ MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
                 "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3", "tail2048", "l2h",
-                "tail2048-l2h", "tail3584-l2h")
+                "tail2048-l2h", "tail3584-l2h", "shup", "upmax2-shup", "shup-l2h")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
@@ -1990,7 +2196,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     flag once its tables are written; moe_up polls it before its wait and requests N ring slots (its z in the last,
     as zlast), moe_down clears it) [uflag0], merge (moe_up and moe_down as the two phases of one launch, met on
     dflagt's counter: `MoEExpertsPipeKey`) [off], tailN (moe_down prefetches the tail's last N W_up
-    rows) [0], l2h (L2 priorities: both rings' weight copies evict_first, the tailN prefetch evict_last) [off], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
+    rows) [0], l2h (L2 priorities: both rings' weight copies evict_first, the tailN prefetch evict_last) [off], shup
+    (moe_up streams the shared experts' gate/up rows ahead of its expert items, the front GEMV stops before them; one
+    token, upmax2 two) [off], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
     runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run35 = RUN35 (the defaults of runs 35-38), run20 = RUN20 (the defaults of runs 20-23), run17 =
@@ -2029,6 +2237,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["l2_hints"] = down["l2_hints"] = True
         elif tok == "f16":
             up["fp16"] = True
+        elif tok == "shup":  # moe_up streams the shared gate/up rows (the front stops before them)
+            up["shared_up"] = True
         elif tok == "zswz":
             up["z_swizzle"] = True
         elif tok == "contig":
@@ -2067,7 +2277,8 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"slots and requests the others first), bal0/bal1 (moe_up deals half super-blocks that "
                              f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), merge (moe_up and moe_down in one launch), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), l2h (L2 "
-                             f"priorities: the rings evict_first, the tail's prefetch evict_last), "
+                             f"priorities: the rings evict_first, the tail's prefetch evict_last), shup (moe_up streams the shared "
+                             f"gate/up rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush") or down.get("lazy_flush"):  # the in-line flushes: alternatives to the flush warps
@@ -2090,6 +2301,20 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
                          f"with pro0; got {text!r}")
+    if up.get("shared_up"):
+        up.setdefault("max_tokens", 1)
+        clash = [name for name, on in (("zlast", up.get("z_last")), ("uflag", up.get("route_early")),
+                                       ("f16", up.get("fp16")), ("bal", up.get("balance")),
+                                       ("pf", up.get("prefetch_down")), ("merge/dflag", up.get("done_flag")),
+                                       ("pro0", not up.get("prologue", True)), ("epi0", not up.get("epilogue_warp", True)),
+                                       ("sfirst", down.get("shared_first")),
+                                       ("upwN", up.get("warps", MoEUpPipeKey.warps) != MoEUpPipeKey.warps)) if on]
+        if clash:
+            raise ValueError(f"shup streams the shared gate/up rows through moe_up's ring from its start: it cannot go "
+                             f"with {', '.join(clash)}; got {text!r}")
+        if not 1 <= up["max_tokens"] <= SHUP_MAX_M:
+            raise ValueError(f"shup stages x beside moe_up's ring for 1..{SHUP_MAX_M} tokens (upmax1, upmax2); "
+                             f"got {text!r}")
     if up.get("prologue", MoEUpPipeKey.prologue):
         if up.get("early_slots", 0) != 0:
             raise ValueError(f"the merged prologue stages z in moe_up's ring, so no ring slot can be requested "
@@ -2136,8 +2361,10 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append("fence0" if not down_fence else "upfence0")
     if up.stages != MoEUpPipeKey.stages:
         parts.append(f"upst{up.stages}")
-    if up.max_tokens != MoEUpPipeKey.max_tokens:
+    if up.max_tokens != (1 if up.shared_up else MoEUpPipeKey.max_tokens):
         parts.append(f"upmax{up.max_tokens}")
+    if up.shared_up:
+        parts.append("shup")
     down_spin = down.spin_wait if isinstance(down, MoEDownPipeKey) else up.spin_wait
     if up.spin_wait:
         parts.append("spin" if down_spin else "upspin")
