@@ -447,6 +447,35 @@ def test_shared_up_streams_the_shared_rows_through_moe_ups_ring(compiler):
         km.front_key_for(s, 1, False, {"front_pdl": True}, "sm_90a", shared_rows=False)
 
 
+def test_interleaved_shared_order_deals_every_item_once():
+    """shupiN: each CTA walks its own shared items (bx + k·G) and expert items in the interleaved order, N shared
+    first, both lists in their own order, every item of the step exactly once over the CTAs (TP8 and TP16 shared
+    counts, 1 to 112 active experts' items), the lead all shared; parse and names round-trip, N = 0 refused."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    G = kp.H200_SMS
+    for nshi in (km.shapes_for_tp(8).shared, km.shapes_for_tp(16).shared):
+        for nexp in (48, 768, 1536, 5376):
+            for lead in (1, 2, 3, 4, 9):
+                seen = []
+                for bx in range(G):
+                    ns, ne = (nshi - bx + G - 1) // G, max(0, (nexp - bx + G - 1) // G)
+                    seq = [kp.shared_order_item(n, ns, ne, bx, lead, G, nshi) for n in range(ns + ne)]
+                    assert [v for v in seq if v < nshi] == [bx + k * G for k in range(ns)]
+                    assert [v - nshi for v in seq if v >= nshi] == [bx + k * G for k in range(ne)]
+                    assert all(v < nshi for v in seq[:min(lead, ns)])
+                    seen += seq
+                assert sorted(seen) == list(range(nshi + nexp)), (nshi, nexp, lead)
+    assert [kp.shared_order_item(n, 6, 6, 0, 2, G, 768) for n in range(12)] == \
+        [0, 132, 768, 264, 900, 396, 1032, 528, 1164, 660, 1296, 1428]  # S S E S E S E S E S E E
+    s = km.shapes_for_tp(8)
+    for v in ("shupi2", "upmax2-shupi3", "shupi4-l2h"):
+        u, d = kp.parse_pipe_variant(v)
+        assert u["shared_up"] and kp.pipe_variant_name(kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)) == v
+    with pytest.raises(ValueError, match="shupiN"):
+        kp.parse_pipe_variant("shupi0")
+
+
 def test_sixteen_up_warps_balance_the_sub_partitions(compiler):
     """upw16: warps 0..11 take two super-blocks, 12..15 one, so every row's 28 super-blocks are taken once and each
     sub-partition (warps w = s mod 4) has 7 (14 warps: 8, 8, 6, 6); same mma count as the default, no spill."""

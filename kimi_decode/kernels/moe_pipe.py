@@ -175,6 +175,11 @@ class MoEUpPipeKey:
     # its items' instruction issue at about two thirds of the copy bandwidth, streams beside its expert items and
     # through its start (the wait, the routing tables, z). z is staged by plain loads (the ring is busy)
     shared_up: bool = False
+    # ('shupiN', with shared_up) each CTA's own items in an interleaved order: N shared items first (they cover the
+    # wait, the tables and z), then an expert item and a shared item by turns, so that the shared rows stream while
+    # the expert items' decode keeps the warps busy; the rest of whichever list is longer at the end. 0 ('shup'): the
+    # shared items first, dealt round-robin over the CTAs as one list with the expert items after them (run 70)
+    shared_lead: int = 0
     arch: str = "sm_90a"
 
     @property
@@ -205,6 +210,26 @@ class MoEUpPipeKey:
 UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 SHUP_MAX_M = 2  # 'shup': tokens its builds take (x staged in shared memory beside the ring; partials per lane)
+
+
+def shared_order_item(n, ns, ne, bx, lead, ctas, nshi, imin=min, imax=max, flag=int, zero=0):
+    """('shupiN') CTA bx's n-th item (0 <= n < ns + ne) in the interleaved order, as a virtual item index: its k-th
+    shared item (bx + k·ctas) is bx + k·ctas, its k-th expert item is nshi + bx + k·ctas. ns, ne: the CTA's shared and
+    expert item counts. `lead` shared items first, then (expert, shared) by turns, then the rest of the longer list.
+    Branch-free integer arithmetic (0/1 flags select), so that the kernel traces the same function on its Int32
+    values (imin, imax, flag: cutlass.min, cutlass.max, Int32) that the CPU tests run on Python ints."""
+    P = imin(flag(lead), ns)
+    a = imax(imin(ne, ns - P), zero)  # alternating (expert, shared) pairs
+    m = n - P
+    t_lead = flag(n < P)
+    t_alt = flag(m < 2 * a)
+    half = m >> 1
+    rest = m - 2 * a
+    is_sh = t_lead + (1 - t_lead) * (t_alt * (m & 1) + (1 - t_alt) * flag(ne <= a))
+    k_sh = t_lead * n + (1 - t_lead) * (P + t_alt * half + (1 - t_alt) * (a + rest))
+    k_e = t_alt * half + (1 - t_alt) * (a + rest)
+    k = is_sh * k_sh + (1 - is_sh) * k_e
+    return bx + k * ctas + (1 - is_sh) * nshi
 
 
 UP_ROW_PAD = 16  # words of padding after each ring row ('pad'): row g's quad c lands on bank group 4g + c mod 8
@@ -494,6 +519,8 @@ def _build_up(key: MoEUpPipeKey):
     assert W2_BYTES % 16 == 0 and S2_BYTES % 16 == 0 and SD_BYTES % 16 == 0
     SHUP = key.shared_up
     NSHI = sh.shared if SHUP else 0  # 'shup': shared items (one gate and one up row each) before the expert items
+    LEAD = key.shared_lead
+    assert LEAD == 0 or (SHUP and LEAD >= 1), "shared_lead orders the shared items of 'shup'"
     SH_BYTES = D * 2  # one shared gate (or up) row, bf16
     WS_WORDS = RB_UP * WROWP  # a slot's W1 (or W3) part in words: a shared item's gate (or up) row
     if SHUP:
@@ -531,6 +558,10 @@ def _build_up(key: MoEUpPipeKey):
         dw = w_base + slot * (2 * WS_BYTES)
         bulk_ring(dw, mWsh.iterator.toint() + Int64(item) * SH_BYTES, SH_BYTES, b)
         bulk_ring(dw + WS_BYTES, mWsh.iterator.toint() + Int64(item + NSHI) * SH_BYTES, SH_BYTES, b)
+
+    def shup_virtual(n, ns, ne, bx):
+        """(traced inline; 'shupiN') `shared_order_item` on the kernel's Int32 values"""
+        return shared_order_item(n, ns, ne, bx, LEAD, G, NSHI, cutlass.min, cutlass.max, Int32, Int32(0))
 
     @cute.jit
     def stage_prologue_shup(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
@@ -820,7 +851,7 @@ def _build_up(key: MoEUpPipeKey):
                 for t_ in cutlass.range(M):
                     bulk(sx.iterator.toint() + t_ * SH_BYTES, mX.iterator.toint() + Int64(t_) * SH_BYTES, SH_BYTES,
                          xbar.iterator.toint())
-                for s_ in cutlass.range_constexpr(ST):
+                for s_ in cutlass.range_constexpr(min(ST, LEAD) if LEAD else ST):  # ('shupiN': its lead only)
                     if bx + s_ * G < NSHI:
                         issue_shared(bx + s_ * G, s_, mWsh, bars, w_base)
         if const_expr(PF):  # the shared experts' down projection does not depend on the routing
@@ -860,6 +891,10 @@ def _build_up(key: MoEUpPipeKey):
             stage_routing_tables()(mAct, mList, mTok, s_act, s_list, s_tok, nact, M, THREADS)
             ring_init()(bars, ST)
         nitems = nact * NRB + NSHI  # ('shup': the shared items first)
+        if const_expr(LEAD):  # ('shupiN') this CTA's shared and expert items, walked in the interleaved order
+            ns_ = (NSHI - bx + G - 1) // G
+            ne_ = (nact * NRB - bx + G - 1) // G
+            nloc = ns_ + ne_
         if tid == 0:
             for s in cutlass.range_constexpr(EARLY):
                 if bx + s * G < nitems:
@@ -894,7 +929,18 @@ def _build_up(key: MoEUpPipeKey):
         if tid == 0:  # the rest of the ring, now that z is in
             if const_expr(PRO and FENCE and not SHUP):  # the ring held z: generic-proxy reads before the bulk writes
                 cute.arch.fence_view_async_shared()
-            if const_expr(SHUP):  # the first slots' expert items (the shared ones went out before the wait)
+            if const_expr(LEAD):  # the first slots not requested before the wait
+                for s in cutlass.range_constexpr(ST):
+                    todo = Int32(s < nloc)
+                    if const_expr(s < LEAD):  # requested before the wait if it was a shared item
+                        todo = todo * Int32(bx + s * G >= NSHI)
+                    if todo > 0:
+                        v = shup_virtual(Int32(s), ns_, ne_, bx)
+                        if v < NSHI:
+                            issue_shared(v, s, mWsh, bars, w_base)
+                        else:
+                            issue(v - NSHI, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+            elif const_expr(SHUP):  # the first slots' expert items (the shared ones went out before the wait)
                 for s in cutlass.range_constexpr(ST):
                     if bx + s * G >= NSHI and bx + s * G < nitems:
                         issue(bx + s * G - NSHI, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
@@ -923,7 +969,14 @@ def _build_up(key: MoEUpPipeKey):
             gX = cute.zipped_divide(sx, (1, 4))
             cute.arch.mbarrier_wait(xbar.iterator, 0)
         n = Int32(0)
-        for item in cutlass.range(bx, nitems, G):
+        if const_expr(LEAD):  # ('shupiN') local positions, each turned into its virtual item
+            lo_, hi_, step_ = Int32(0), nloc, 1
+        else:
+            lo_, hi_, step_ = bx, nitems, G
+        for it_ in cutlass.range(lo_, hi_, step_):
+            item = it_
+            if const_expr(LEAD):
+                item = shup_virtual(n, ns_, ne_, bx)
             slot = n % ST
             if const_expr(not SHUP):  # ('shup': the expert helpers find their item's tables)
                 j = item // NRB
@@ -994,7 +1047,16 @@ def _build_up(key: MoEUpPipeKey):
             # every warp is done with the slot: refill it with the item ST rounds ahead (thread 0, or the
             # epilogue warp's first lane)
             if tid == (32 * WARPS if EPI else 0):
-                if item + ST * G < nitems:
+                if const_expr(LEAD):
+                    if n + ST < nloc:
+                        if const_expr(FENCE):
+                            cute.arch.fence_view_async_shared()
+                        v = shup_virtual(n + ST, ns_, ne_, bx)
+                        if v < NSHI:
+                            issue_shared(v, slot, mWsh, bars, w_base)
+                        else:
+                            issue(v - NSHI, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                elif item + ST * G < nitems:
                     if const_expr(FENCE):
                         cute.arch.fence_view_async_shared()
                     if const_expr(SHUP):
@@ -2155,7 +2217,8 @@ MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584
 AOT_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0", "aflush", "dec1", "pad0", "downk1",
                 "upw28", "run24", "zlast", "upw16", "bal", "f16", "lazy", "zswz", "run27", "fence0", "run35", "spin", "upst5-upmax4",
                 "downmax1", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3", "tail2048", "l2h",
-                "tail2048-l2h", "tail3584-l2h", "shup", "upmax2-shup", "shup-l2h")
+                "tail2048-l2h", "tail3584-l2h", "shup", "upmax2-shup", "shup-l2h", "shupi2", "shupi3", "shupi4",
+                "upmax2-shupi2")
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
@@ -2239,6 +2302,10 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["fp16"] = True
         elif tok == "shup":  # moe_up streams the shared gate/up rows (the front stops before them)
             up["shared_up"] = True
+        elif m := re.fullmatch(r"shupi(\d)", tok):  # the same, each CTA's shared and expert items interleaved
+            up["shared_up"], up["shared_lead"] = True, int(m.group(1))
+            if not up["shared_lead"]:
+                raise ValueError(f"shupiN leads with N >= 1 shared items (shup: all of them first); got {text!r}")
         elif tok == "zswz":
             up["z_swizzle"] = True
         elif tok == "contig":
@@ -2364,7 +2431,7 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
     if up.max_tokens != (1 if up.shared_up else MoEUpPipeKey.max_tokens):
         parts.append(f"upmax{up.max_tokens}")
     if up.shared_up:
-        parts.append("shup")
+        parts.append(f"shupi{up.shared_lead}" if up.shared_lead else "shup")
     down_spin = down.spin_wait if isinstance(down, MoEDownPipeKey) else up.spin_wait
     if up.spin_wait:
         parts.append("spin" if down_spin else "upspin")
