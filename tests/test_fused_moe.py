@@ -358,6 +358,13 @@ def test_pipe_variant_names_parse_and_every_one_is_compiled_ahead_of_time():
         assert up in up_keys and down in down_keys, v
         assert kp.pipe_variant_name(up, down) == ("run17" if v == kp.RUN17 else v)
         assert kp.up_pipe_smem_bytes(up) <= kp.SMEM_BUDGET and kp.down_pipe_smem_bytes(down) <= kp.SMEM_BUDGET
+    # the options of runs 17-41 (and run 70's slower shup forms): built with `bundle --tuning` only
+    up_hist, down_hist = kp.UP_PIPE.tuning_keys("sm_90a"), kp.DOWN_PIPE.tuning_keys("sm_90a")
+    for v in kp.HISTORY_VARIANTS:
+        u, d = kp.parse_pipe_variant(v)
+        up, down = kp.MoEUpPipeKey(s, **u), kp.MoEDownPipeKey(s, **d)
+        assert up in up_hist and down in down_hist and kp.pipe_variant_name(up, down) == ("run17" if v == kp.RUN17 else v)
+        assert v not in kp.AOT_VARIANTS and (up not in up_keys or down not in down_keys or up == kp.MoEUpPipeKey(s)), v
     # the defaults (run 19's options all on) and their timeline builds
     assert kp.MoEUpPipeKey(s, trace=True) in up_keys and kp.MoEDownPipeKey(s, trace=True) in down_keys
     up = kp.MoEUpPipeKey(s)
