@@ -19,6 +19,7 @@ import lzma
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,18 +68,54 @@ def build_artifacts(
     tuning: bool = False,
     keys: list | None = None,
     log=print,
+    reuse: str | Path | None = None,
 ) -> dict:
     """Compile, export and link every registered variant for `arch` into `out_dir`; return the manifest.
 
-    `kernels` limits to those kernel names; `keys` replaces the registered key lists.
+    `kernels` limits to those kernel names; `keys` replaces the registered key lists. `reuse`: a folder of an earlier
+    build (its manifest and `.so` files, e.g. `.bundle/artifacts`): a kernel whose key, kernel sources
+    (`compile.source_hash`), arch, toolchain and format match an entry there is copied instead of compiled.
     """
     if not kc.compiler_available():
         raise kc.KernelUnavailable("`build` needs the CuTe DSL compiler: pip install 'kimi_decode[gpu]'")
     arch = kc.resolve_arch(arch)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*out_dir.glob("kd_*.so"), *out_dir.glob("cubin/kd_*.cubin")]:
-        old.unlink()
+    with tempfile.TemporaryDirectory(prefix="kd_reuse_") as keep:
+        previous = _reusable(reuse, arch, out_dir, Path(keep), log)
+        for old in [*out_dir.glob("kd_*.so"), *out_dir.glob("cubin/kd_*.cubin")]:
+            old.unlink()
+        return _build_into(arch, out_dir, kernels, tuning, keys, log, previous)
+
+
+def _reusable(reuse, arch: str, out_dir: Path, keep: Path, log) -> dict:
+    """{file name: (manifest entry, path)} of an earlier build's kernels that may be reused (same arch, toolchain and
+    format); files inside out_dir are first copied to `keep`, since the build clears out_dir."""
+    if reuse is None:
+        return {}
+    folder = Path(reuse)
+    if (folder / "artifacts" / kc.MANIFEST).exists():
+        folder = folder / "artifacts"
+    path = folder / kc.MANIFEST
+    if not path.exists():
+        log(f"  nothing to reuse: no {kc.MANIFEST} in {Path(reuse)}")
+        return {}
+    man = json.loads(path.read_text())
+    if (man.get("arch"), man.get("toolchain"), man.get("format")) != (arch, kc.toolchain_versions(), kc.FORMAT_VERSION):
+        log(f"  nothing to reuse from {folder}: built for {man.get('arch')} with {man.get('toolchain')}")
+        return {}
+    out = {}
+    for e in man.get("kernels", []):
+        src = folder / e["file"]
+        if not src.exists():
+            continue
+        if folder.resolve() == out_dir.resolve():
+            src = Path(shutil.copy2(src, keep / e["file"]))
+        out[e["file"]] = (e, src)
+    return out
+
+
+def _build_into(arch, out_dir: Path, kernels, tuning, keys, log, previous: dict) -> dict:
     entries = []
     specs = kc.registry()
     todo = []
@@ -90,13 +127,26 @@ def build_artifacts(
             todo += [k for k in specs[name].tuning_keys(arch) if k not in todo]
     if keys is not None:
         todo = list(keys)
+    reused, hashes = 0, {}
     for key in todo:
         if key.arch != arch:
             raise ValueError(f"{key} is not for {arch}")
         t0 = time.perf_counter()
-        so = kc.export_shared(key, out_dir, cubin_dir=out_dir / "cubin")
+        name = kc.symbol_name(key) + ".so"
+        old = previous.get(name)
+        spec = kc.spec_for(key)
+        if spec.name not in hashes:
+            hashes[spec.name] = kc.source_hash(spec)
+        if old is not None and old[0].get("key") == kc.key_dict(key) and old[0].get("source_hash") == hashes[spec.name]:
+            so = Path(shutil.copy2(old[1], out_dir / name))
+            reused += 1
+            log(f"  {so.name}  reused")
+        else:
+            so = kc.export_shared(key, out_dir, cubin_dir=out_dir / "cubin")
+            log(f"  {so.name}  {kc.key_json(key)}  {time.perf_counter() - t0:.1f}s")
         entries.append(kc.manifest_entry(key, so.name))
-        log(f"  {so.name}  {kc.key_json(key)}  {time.perf_counter() - t0:.1f}s")
+    if previous:
+        log(f"  {reused} of {len(todo)} kernels reused, {len(todo) - reused} compiled")
     manifest = {
         "format": kc.FORMAT_VERSION,
         "arch": arch,
@@ -190,14 +240,16 @@ exec "$@"
 """
 
 
-def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bool = False, log=print) -> Path:
-    """Write the offline bundle into `out_dir` and return it; refuses to exceed the size limit."""
+def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bool = False, log=print,
+                reuse: str | Path | None = None) -> Path:
+    """Write the offline bundle into `out_dir` and return it; refuses to exceed the size limit. `reuse`: an earlier
+    bundle (or artifact folder), possibly `out_dir` itself, whose unchanged kernels are copied (`build_artifacts`)."""
     out = Path(out_dir)
-    for sub in ("artifacts", "wheels", "lib", "src", ".private"):
+    for sub in ("wheels", "lib", "src", ".private"):
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     log(f"building kernels for {arch} into {out / 'artifacts'}")
-    manifest = build_artifacts(arch, out / "artifacts", tuning=tuning, log=log)
+    manifest = build_artifacts(arch, out / "artifacts", tuning=tuning, log=log, reuse=reuse)  # clears its own
     (out / "lib").mkdir()
     xz_file(runtime_library(), out / "lib" / (kc.RUNTIME_LIB + ".xz"))
     tvm_ffi_wheel(python, out / "wheels")
@@ -223,13 +275,13 @@ def make_bundle(arch: str, out_dir: str | Path, python: str = "3.12", tuning: bo
 
 
 def _build_cmd(args) -> int:
-    manifest = build_artifacts(args.arch, args.out, kernels=args.kernel or None, tuning=args.tuning)
+    manifest = build_artifacts(args.arch, args.out, kernels=args.kernel or None, tuning=args.tuning, reuse=args.reuse)
     print(f"{len(manifest['kernels'])} kernels for {manifest['arch']} in {args.out}")
     return 0
 
 
 def _bundle_cmd(args) -> int:
-    make_bundle(args.arch, args.out, python=args.python, tuning=args.tuning)
+    make_bundle(args.arch, args.out, python=args.python, tuning=args.tuning, reuse=args.reuse)
     print(f"run on the GPU host: bash {args.out}/run.sh python -m pytest -m gpu tests")
     return 0
 
@@ -240,6 +292,7 @@ def add_build_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO / ".bundle" / "artifacts"), help="artifact folder")
     p.add_argument("--kernel", action="append", help="only this kernel (repeatable)")
     p.add_argument("--tuning", action="store_true", help="also build the benchmark-only tiling variants")
+    p.add_argument("--reuse", help="an earlier artifact folder or bundle: copy its kernels whose key and sources match")
     p.set_defaults(func=_build_cmd)
     return p
 
@@ -250,6 +303,8 @@ def add_bundle_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(REPO / ".bundle"), help="bundle folder")
     p.add_argument("--python", default="3.12", help="Python version of the GPU host")
     p.add_argument("--tuning", action="store_true", help="also build the benchmark-only tiling variants")
+    p.add_argument("--reuse", help="an earlier bundle (e.g. the --out folder itself): copy its kernels whose key and "
+                                   "sources match instead of compiling them")
     p.set_defaults(func=_bundle_cmd)
     return p
 

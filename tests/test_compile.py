@@ -108,6 +108,39 @@ def test_build_writes_manifest_and_shared_object(built):
     assert on_disk["kernels"][0]["key"] == kc.key_dict(key)
 
 
+def test_build_reuses_unchanged_kernels_and_recompiles_changed_ones(built, tmp_path):
+    """--reuse: a kernel whose key and sources match the earlier manifest is copied (byte-identical, no compile);
+    one whose recorded source hash differs, or an earlier build for another toolchain, is compiled again; reusing
+    the output folder itself works (its files are kept aside before the build clears it)."""
+    import shutil
+
+    from kimi_decode.bundle import build_artifacts
+    out, key, manifest = built
+    logs = []
+    again = tmp_path / "again"
+    m2 = build_artifacts(ARCH, again, keys=[key], log=logs.append, reuse=out)
+    (e,) = m2["kernels"]
+    assert (again / e["file"]).read_bytes() == (out / e["file"]).read_bytes()
+    assert any("reused" in line for line in logs) and "1 of 1 kernels reused, 0 compiled" in logs[-1]
+    assert not (again / "cubin" / (e["symbol"] + ".cubin")).exists()  # nothing compiled
+    logs.clear()
+    m3 = build_artifacts(ARCH, again, keys=[key], log=logs.append, reuse=again)  # the folder itself
+    assert (again / e["file"]).exists() and "1 of 1 kernels reused, 0 compiled" in logs[-1]
+    assert m3["kernels"][0]["source_hash"] == e["source_hash"]
+    stale = tmp_path / "stale"
+    shutil.copytree(out, stale)
+    _rewrite(stale, source_hash="0" * 16)
+    logs.clear()
+    build_artifacts(ARCH, tmp_path / "fresh", keys=[key], log=logs.append, reuse=stale)
+    assert "0 of 1 kernels reused, 1 compiled" in logs[-1]
+    other = json.loads((stale / "manifest.json").read_text())
+    other["toolchain"] = {"nvidia-cutlass-dsl": "0.0"}
+    (stale / "manifest.json").write_text(json.dumps(other))
+    logs.clear()
+    build_artifacts(ARCH, tmp_path / "fresh2", keys=[key], log=logs.append, reuse=stale)
+    assert any("nothing to reuse" in line for line in logs) and not any("reused" in line for line in logs)
+
+
 def test_artifact_loads_without_compiler(built, monkeypatch):
     """The .so opens through TVM-FFI (no GPU needed to load it)."""
     out, key, _ = built
