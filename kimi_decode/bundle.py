@@ -140,11 +140,12 @@ def _build_into(arch, out_dir: Path, kernels, tuning, keys, log, previous: dict)
         if old is not None and old[0].get("key") == kc.key_dict(key) and old[0].get("source_hash") == hashes[spec.name]:
             so = Path(shutil.copy2(old[1], out_dir / name))
             reused += 1
+            entries.append(old[0])  # the same entry manifest_entry would write: key, sources, toolchain all match
             log(f"  {so.name}  reused")
         else:
             so = kc.export_shared(key, out_dir, cubin_dir=out_dir / "cubin")
+            entries.append(kc.manifest_entry(key, so.name))
             log(f"  {so.name}  {kc.key_json(key)}  {time.perf_counter() - t0:.1f}s")
-        entries.append(kc.manifest_entry(key, so.name))
     if previous:
         log(f"  {reused} of {len(todo)} kernels reused, {len(todo) - reused} compiled")
     manifest = {

@@ -233,26 +233,28 @@ _SHARED_SITU = None
 
 
 def shared_situ_and_zeroing():
-    """`@cute.jit` shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, start, step, SHAPE): the part of moe_up that
-    does not depend on the routing, over a grid-stride range (start, step) of threads: the shared experts' SiTU
-    (a_shared, bf16, from the front kernel's fp32 gate/up pre-activations) and zeroing this rank's fp32 latent
-    partial and the per-token Σ r² that moe_down adds into."""
+    """`@cute.jit` shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, start, step, SHAPE, SITU=True): the part of moe_up
+    that does not depend on the routing, over a grid-stride range (start, step) of threads: the shared experts' SiTU
+    (a_shared, bf16, from the front kernel's fp32 gate/up pre-activations; SITU=False: the zeroing alone, for the
+    pipelined moe_up's 'shup', which computes a_shared itself) and zeroing this rank's fp32 latent partial and the
+    per-token Σ r² that moe_down adds into."""
     global _SHARED_SITU
     if _SHARED_SITU is None:
         import cutlass
         import cutlass.cute as cute
-        from cutlass import BFloat16, Constexpr, Float32
+        from cutlass import BFloat16, Constexpr, Float32, const_expr
 
         @cute.jit
         def run(mF: cute.Tensor, mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, start, step,
-                SHAPE: Constexpr):
+                SHAPE: Constexpr, SITU: Constexpr = True):
             M = mF.shape[0]
             S, SH0 = SHAPE.shared, SHAPE.sh0
-            for idx in cutlass.range(start, M * S, step):
-                t = idx // S
-                c = idx - t * S
-                a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], SHAPE.beta, SHAPE.beta_lin)
-                mAsh[t, c] = a.to(BFloat16)
+            if const_expr(SITU):
+                for idx in cutlass.range(start, M * S, step):
+                    t = idx // S
+                    c = idx - t * S
+                    a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], SHAPE.beta, SHAPE.beta_lin)
+                    mAsh[t, c] = a.to(BFloat16)
             for idx in cutlass.range(start, M * L, step):
                 t = idx // L
                 mLat[0, t, idx - t * L] = Float32(0.0)

@@ -564,10 +564,23 @@ def _build_up(key: MoEUpPipeKey):
         return shared_order_item(n, ns, ne, bx, LEAD, G, NSHI, cutlass.min, cutlass.max, Int32, Int32(0))
 
     @cute.jit
+    def stage_z_plain(mF: cute.Tensor, sz: cute.Tensor, tid: Int32):
+        """(all threads, inlined) every token's z from the front's fp32 output by plain loads into shared memory as
+        bf16 pairs in the mma's B order (without the merged prologue, and with 'shup', whose ring is busy)"""
+        M = mF.shape[0]
+        gF = cute.zipped_divide(mF, (1, 4))
+        for idx in cutlass.range(tid, M * (L // 8), THREADS):
+            t = idx // (L // 8)
+            o = idx - t * (L // 8)
+            z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+            z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+
+    @cute.jit
     def stage_prologue_shup(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
                             mF: cute.Tensor, s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor,
-                            s_tok: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor, mLat: cute.Tensor,
-                            mSsq: cute.Tensor, bx: Int32, tid: Int32):
+                            s_tok: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor, mAsh: cute.Tensor,
+                            mLat: cute.Tensor, mSsq: cute.Tensor, bx: Int32, tid: Int32):
         """(all threads, inlined; 'shup', after the wait) thread 0 bulk-copies meta and the routing tables on one
         mbarrier; meanwhile the zeroing and every token's z (plain loads of the front's fp32 output: the ring is
         streaming the shared items) to bf16 pairs in the mma's B order. Returns the number of active experts."""
@@ -576,18 +589,8 @@ def _build_up(key: MoEUpPipeKey):
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M))
             bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pb.toint())
-        for idx in cutlass.range(bx * THREADS + tid, M * L, G * THREADS):
-            t = idx // L
-            mLat[0, t, idx - t * L] = Float32(0.0)
-        for idx in cutlass.range(bx * THREADS + tid, M, G * THREADS):
-            mSsq[idx] = Float32(0.0)
-        gF = cute.zipped_divide(mF, (1, 4))
-        for idx in cutlass.range(tid, M * (L // 8), THREADS):
-            t = idx // (L // 8)
-            o = idx - t * (L // 8)
-            z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
-            z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
-            store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh, False)  # zeroing only
+        stage_z_plain(mF, sz, tid)
         cute.arch.mbarrier_wait(pb, 0)
         return s_meta[0]
 
@@ -879,8 +882,8 @@ def _build_up(key: MoEUpPipeKey):
             if tid == 0:
                 stamp(mTrace, bx, 1)
         if const_expr(SHUP):
-            nact = stage_prologue_shup(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, sz, pbar, mLat,
-                                       mSsq, bx, tid)
+            nact = stage_prologue_shup(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, sz, pbar, mAsh,
+                                       mLat, mSsq, bx, tid)
         elif const_expr(PRO):
             nact = stage_prologue_up(mMeta, mAct, mList, mTok, mF, s_meta, s_act, s_list, s_tok, ring_w, sz, pbar,
                                      mAsh, mLat, mSsq, bx, tid, mW1, mS1, mW3, mS3, bars, w_base, s_base, nz, s_zsc,
@@ -917,13 +920,7 @@ def _build_up(key: MoEUpPipeKey):
         if const_expr(not PRO):
             # while the first items fly: z into shared memory (bf16, B order), the shared experts' SiTU, and
             # zeroing this rank's latent accumulator
-            gF = cute.zipped_divide(mF, (1, 4))
-            for idx in cutlass.range(tid, M * (L // 8), THREADS):
-                t = idx // (L // 8)
-                o = idx - t * (L // 8)
-                z0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
-                z1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
-                store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
+            stage_z_plain(mF, sz, tid)
             shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
         cute.arch.barrier()
         if tid == 0:  # the rest of the ring, now that z is in
