@@ -2222,7 +2222,8 @@ HISTORY_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0",
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35", "uflag1")  # uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66)
+TRACE_VARIANTS = ("run35", "uflag1", "shupi2")  # uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66);
+# shupi2: whether its shared items' bytes arrive while the expert items compute
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
