@@ -1774,6 +1774,21 @@ def test_l2_hints_put_priorities_on_the_ring_copies_and_the_tail_prefetch(compil
     assert "evict_last" not in kc.ptx_text(kp.MoEDownPipeKey(s, l2_hints=True))  # no tailN: nothing to keep
 
 
+def test_down_argument_names_cover_the_stand_ins(compiler):
+    """The merged kernel picks moe_down's arguments by name: one name per stand-in (the stream last), and the picks
+    are the routing weights, all-reduce coefficients, counters, r, shared buffers, norm weight, W_up and timeline."""
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    assert len(km.expert_down_args(s, 28)) == len(km.DOWN_ARG_NAMES) + 1
+    args = kp.down_pipe_args(s, 28)
+    assert len(args) == len(kp.DOWN_PIPE_ARG_NAMES) + 1
+    assert len(set(kp.DOWN_PIPE_ARG_NAMES)) == len(kp.DOWN_PIPE_ARG_NAMES)
+    picked = [args[kp.DOWN_PIPE_ARG_NAMES.index(n)] for n in kp.MERGED_DOWN_ARGS]
+    assert [a.shape[-1] for a in picked[4:7]] == [km.D, km.L, km.L]  # sh [tp, m, D], norm [1, L], W_up [D, L]
+    assert picked[-1] is args[-2]  # the timeline buffer, just before the stream
+
+
 def test_merged_key_refuses_phases_that_do_not_meet():
     """The merged key needs dflagt's counter on both sides and phases that agree (refused when the key is made,
     before any build); a moe_down phase without the counter's wait is refused when built."""

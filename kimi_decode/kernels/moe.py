@@ -877,6 +877,11 @@ def expert_up_args(sh: MoEShape) -> tuple:
     )
 
 
+# the names of expert_down_args' stand-ins, in order (the stream last, unnamed)
+DOWN_ARG_NAMES = ("a", "w2", "s2", "meta", "act", "list", "tok", "we", "lat", "coef", "cnt", "r", "a_shared", "wd",
+                  "sh", "norm", "ssq")
+
+
 def expert_down_args(sh: MoEShape, row_blocks: int) -> tuple:
     """Compile-time stand-ins of moe_down's arguments (direct and pipelined alike): a, W2 codes/scales, meta,
     active experts, lists, token ids, routing weights, latent partials, all-reduce coefficients, the

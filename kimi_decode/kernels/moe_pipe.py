@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass
 
 from .. import compile as kc
-from .moe import D, DONE_FLAG, E, L, PASS_COUNT, ROUTED_FLAG, TOPK, MoEShape, _situ, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
+from .moe import D, DONE_FLAG, E, L, PASS_COUNT, ROUTED_FLAG, TOPK, MoEShape, _situ, DOWN_ARG_NAMES, expert_down_args, expert_up_args, rms_sumsq, shapes_for_tp, shared_situ_and_zeroing
 
 # moe_up's compute warp counts: warp w takes super-blocks w, w + warps, ... of a row's 28 (16: warps 0..11 take two,
 # 12..15 one, so that each sub-partition, warps w = s mod 4, has 7; with 14 two sub-partitions have 8 and two 6)
@@ -2081,6 +2081,10 @@ def _build_down(key: MoEDownPipeKey):
     return down_host, down_pipe_args(sh, NBD), down_main
 
 
+# the names of down_pipe_args' stand-ins, in order (the stream last, unnamed)
+DOWN_PIPE_ARG_NAMES = DOWN_ARG_NAMES + ("w_up", "front_out", "trace")
+
+
 def down_pipe_args(sh: MoEShape, row_blocks: int) -> tuple:
     """Compile-time stand-ins of the pipelined moe_down's arguments: the direct kernel's
     (`moe.expert_down_args`), then the tail's W_up (whose last rows it may prefetch into L2), the front kernel's
@@ -2201,10 +2205,12 @@ def build_experts_pipe(key: MoEExpertsPipeKey):
             grid=(G, 1, 1), block=(THREADS, 1, 1), smem=NB + 256, stream=stream, use_pdl=PDL)
 
     # moe_up's arguments, then those of moe_down's it lacks: we, coef, cnt, r, sh, norm, W_up, its timeline buffer
-    return experts_host, (*up_args[:-1], *(down_args[i] for i in MERGED_DOWN_ARGS), up_args[-1])
+    return experts_host, (*up_args[:-1], *(down_args[DOWN_PIPE_ARG_NAMES.index(n)] for n in MERGED_DOWN_ARGS),
+                          up_args[-1])
 
 
-MERGED_DOWN_ARGS = (7, 9, 10, 11, 14, 15, 17, 19)  # indices into down_pipe_args of the merged kernel's last arguments
+# moe_down's arguments the merged kernel takes after moe_up's (the others are moe_up's too, or unused)
+MERGED_DOWN_ARGS = ("we", "coef", "cnt", "r", "sh", "norm", "w_up", "trace")
 # the merged kernel's variants built ahead of time (TP8, with and without PDL): downearly3 requests all of moe_down's
 # ring slots as soon as a CTA's gate/up items are done, before the counter's wait
 MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584", "merge-tail2048-l2h",
