@@ -635,36 +635,36 @@ def _build_up(key: MoEUpPipeKey):
                 up_ = cutlass.select_(lane == 1, tot[3], up_)
             mAsh[lane, item] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
 
-    @cute.jit
-    def expert_partials(gW: cute.Tensor, ring_s: cute.Tensor, gZ: cute.Tensor, red: cute.Tensor, s_list: cute.Tensor,
-                        s_tok: cute.Tensor, slot: Int32, buf: Int32, warp: Int32, lane: Int32, ie: Int32):
-        """(a compute warp; 'shup') expert item ie's partials, as the default build computes them (whole rounds of
-        super-blocks, one accumulator each)"""
-        g = lane // 4
-        c = lane - 4 * g
-        j = ie // NRB
-        off = s_list[j, 0]
-        num = s_list[j, 1]
-        t = s_tok[off + cutlass.min(g, num - 1)]
-        accs = []
-        for q in cutlass.range_constexpr(NSB // WARPS):
-            acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-            accs.append(up_superblock(acc, gW, ring_s, gZ, slot, g, c, warp + WARPS * q, t))
-        for r in cutlass.range_constexpr(4):
+    def store_partials(red, buf, warp, lane, accs):
+        """(a compute warp, traced inline) its K partials of an item: the sum of its accumulators, into red[buf]"""
+        for r in range(4):
             v = accs[0][r]
-            for q in cutlass.range_constexpr(1, len(accs)):
+            for q in range(1, len(accs)):
                 v = v + accs[q][r]
             red[buf, warp, lane, r] = v
 
     @cute.jit
-    def expert_epilogue(red: cute.Tensor, buf: Int32, lane: Int32, ie: Int32, s_list: cute.Tensor, mA: cute.Tensor):
-        """(the epilogue warp; 'shup') expert item ie's partials summed into SiTU -> a, as the default build does"""
-        g = lane // 4
-        c = lane - 4 * g
-        j = ie // NRB
-        i0 = (ie - j * NRB) * RB_UP
-        off = s_list[j, 0]
-        num = s_list[j, 1]
+    def expert_partials(gW: cute.Tensor, ring_s: cute.Tensor, gZ: cute.Tensor, red: cute.Tensor, slot: Int32,
+                        buf: Int32, warp: Int32, lane: Int32, g: Int32, c: Int32, t: Int32):
+        """(a compute warp) an expert item's K partials (B column: token t): one accumulator per super-block, which
+        makes independent mma chains; the last round only for the warps with a super-block left (sb < NSB)"""
+        accs = []
+        for q in cutlass.range_constexpr(SBW):
+            acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            sb = warp + WARPS * q
+            if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
+                accs.append(up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t))
+            else:  # only the first NSB - WARPS * q warps
+                if sb < NSB:
+                    acc = up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t)
+                accs.append(acc)
+        store_partials(red, buf, warp, lane, accs)
+
+    @cute.jit
+    def expert_epilogue(red: cute.Tensor, buf: Int32, lane: Int32, g: Int32, c: Int32, off: Int32, num: Int32,
+                        i0: Int32, mA: cute.Tensor, s_zsc: cute.Tensor, s_tok: cute.Tensor):
+        """(the reducing warp) an expert item's partials summed over the compute warps into SiTU -> a rows
+        off + 2c, off + 2c + 1 (the item's tokens), column i0 + g ('f16': times each token's 2^k first)"""
         tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
         for w_ in cutlass.range_constexpr(WARPS):
             for r in cutlass.range_constexpr(4):
@@ -672,7 +672,11 @@ def _build_up(key: MoEUpPipeKey):
         for x_ in cutlass.range_constexpr(2):  # (gate, up) of the item's tokens 2c and 2c + 1
             tk = 2 * c + x_
             if tk < num:
-                mA[off + tk, i0 + g] = _situ(tot[x_], tot[2 + x_], BETA, BETA_LIN).to(BFloat16)
+                gate, up_ = tot[x_], tot[2 + x_]
+                if const_expr(F16):  # times the token's 2^k
+                    sc = s_zsc[MXT + s_tok[off + tk]]
+                    gate, up_ = gate * sc, up_ * sc
+                mA[off + tk, i0 + g] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
 
     @cute.jit
     def stage_prologue_up(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
@@ -975,15 +979,16 @@ def _build_up(key: MoEUpPipeKey):
             if const_expr(LEAD):
                 item = shup_virtual(n, ns_, ne_, bx)
             slot = n % ST
-            if const_expr(not SHUP):  # ('shup': the expert helpers find their item's tables)
-                j = item // NRB
-                i0 = (item - j * NRB) * RB_UP
-                off = s_list[j, 0]
-                num = s_list[j, 1]  # <= M <= 8: one mma column per token
+            ie = item
+            if const_expr(SHUP):  # the expert item (a shared item reads expert item 0's tables, unused)
+                ie = cutlass.max(item - NSHI, Int32(0))
+            j = ie // NRB
+            i0 = (ie - j * NRB) * RB_UP
+            off = s_list[j, 0]
+            num = s_list[j, 1]  # <= M <= 8: one mma column per token
             buf = n % NB
             if warp < WARPS:  # the compute warps (all of them without an epilogue warp)
-                if const_expr(not SHUP):
-                    t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
+                t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
                 if const_expr(key.spin_wait):
                     spin((bars.iterator + slot).toint(), (n // ST) % 2)
                 else:
@@ -997,7 +1002,9 @@ def _build_up(key: MoEUpPipeKey):
                     if item < NSHI:
                         shared_partials(gR, gX, red, slot, buf, warp, lane)
                     else:
-                        expert_partials(gW, ring_s, gZ, red, s_list, s_tok, slot, buf, warp, lane, item - NSHI)
+                        expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
+                elif const_expr(not (F16 or BAL)):
+                    expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
                 accs = []
                 if const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
@@ -1020,20 +1027,8 @@ def _build_up(key: MoEUpPipeKey):
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                     accs = [acc0, acc1]
-                for q in cutlass.range_constexpr(0 if BAL or F16 or SHUP else SBW):  # one accumulator per super-block: independent mma chains
-                    acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    sb = warp + WARPS * q
-                    if const_expr(WARPS * (q + 1) <= NSB):  # every warp has this round's super-block
-                        accs.append(up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t))
-                    else:  # only the first NSB - WARPS * q warps
-                        if sb < NSB:
-                            acc = up_superblock(acc, gW, ring_s, gZ, slot, g, c, sb, t)
-                        accs.append(acc)
-                for r in cutlass.range_constexpr(0 if SHUP else 4):
-                    v = accs[0][r]
-                    for q in cutlass.range_constexpr(1, len(accs)):
-                        v = v + accs[q][r]
-                    red[buf, warp, lane, r] = v
+                if const_expr(F16 or BAL):
+                    store_partials(red, buf, warp, lane, accs)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 1))
@@ -1071,19 +1066,9 @@ def _build_up(key: MoEUpPipeKey):
                     if item < NSHI:
                         shared_epilogue(red, buf, lane, item, mAsh, M)
                     else:
-                        expert_epilogue(red, buf, lane, item - NSHI, s_list, mA)
-                tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                for w_ in cutlass.range_constexpr(0 if SHUP else WARPS):
-                    for r in cutlass.range_constexpr(4):
-                        tot[r] = tot[r] + red[buf, w_, lane, r]
-                for x_ in cutlass.range_constexpr(0 if SHUP else 2):  # (gate, up) of the item's tokens 2c and 2c + 1
-                    tk = 2 * c + x_
-                    if tk < num:
-                        gate, up_ = tot[x_], tot[2 + x_]
-                        if const_expr(F16):  # times the token's 2^k
-                            sc = s_zsc[MXT + s_tok[off + tk]]
-                            gate, up_ = gate * sc, up_ * sc
-                        mA[off + tk, i0 + g] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
+                        expert_epilogue(red, buf, lane, g, c, off, num, i0, mA, s_zsc, s_tok)
+                else:
+                    expert_epilogue(red, buf, lane, g, c, off, num, i0, mA, s_zsc, s_tok)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, WARP_TRACE_EPI, 1))
