@@ -577,6 +577,16 @@ def _build_up(key: MoEUpPipeKey):
             store_b_order(sz, t, o, [z0[k] for k in range(4)] + [z1[k] for k in range(4)])
 
     @cute.jit
+    def issue_virtual(v: Int32, slot, mAct: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
+                      mS3: cute.Tensor, mWsh: cute.Tensor, bars: cute.Tensor, w_base, s_base):
+        """(one thread; 'shup') request virtual item v into ring slot `slot`: shared item v below NSHI, expert item
+        v - NSHI above"""
+        if v < NSHI:
+            issue_shared(v, slot, mWsh, bars, w_base)
+        else:
+            issue(v - NSHI, slot, mAct, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+
+    @cute.jit
     def stage_prologue_shup(mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
                             mF: cute.Tensor, s_meta: cute.Tensor, s_act: cute.Tensor, s_list: cute.Tensor,
                             s_tok: cute.Tensor, sz: cute.Tensor, pbar: cute.Tensor, mAsh: cute.Tensor,
@@ -936,11 +946,8 @@ def _build_up(key: MoEUpPipeKey):
                     if const_expr(s < LEAD):  # requested before the wait if it was a shared item
                         todo = todo * Int32(bx + s * G >= NSHI)
                     if todo > 0:
-                        v = shup_virtual(Int32(s), ns_, ne_, bx)
-                        if v < NSHI:
-                            issue_shared(v, s, mWsh, bars, w_base)
-                        else:
-                            issue(v - NSHI, s, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                        issue_virtual(shup_virtual(Int32(s), ns_, ne_, bx), s, s_act, mW1, mS1, mW3, mS3, mWsh, bars,
+                                      w_base, s_base)
             elif const_expr(SHUP):  # the first slots' expert items (the shared ones went out before the wait)
                 for s in cutlass.range_constexpr(ST):
                     if bx + s * G >= NSHI and bx + s * G < nitems:
@@ -1003,15 +1010,12 @@ def _build_up(key: MoEUpPipeKey):
                         shared_partials(gR, gX, red, slot, buf, warp, lane)
                     else:
                         expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
-                elif const_expr(not (F16 or BAL)):
-                    expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
-                accs = []
-                if const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
+                elif const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
                     acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     for q in cutlass.range_constexpr(NSB // WARPS):
                         acc = f16_superblock(acc, ring_w, ring_s32, gZ, slot, g, c, warp + WARPS * q, t)
-                    accs = [acc]
-                if const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
+                    store_partials(red, buf, warp, lane, [acc])
+                elif const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
                     acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
                     for u in cutlass.range_constexpr(HMAX):
@@ -1026,9 +1030,9 @@ def _build_up(key: MoEUpPipeKey):
                                     acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
-                    accs = [acc0, acc1]
-                if const_expr(F16 or BAL):
-                    store_partials(red, buf, warp, lane, accs)
+                    store_partials(red, buf, warp, lane, [acc0, acc1])
+                else:
+                    expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 1))
@@ -1043,19 +1047,13 @@ def _build_up(key: MoEUpPipeKey):
                     if n + ST < nloc:
                         if const_expr(FENCE):
                             cute.arch.fence_view_async_shared()
-                        v = shup_virtual(n + ST, ns_, ne_, bx)
-                        if v < NSHI:
-                            issue_shared(v, slot, mWsh, bars, w_base)
-                        else:
-                            issue(v - NSHI, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                        issue_virtual(shup_virtual(n + ST, ns_, ne_, bx), slot, s_act, mW1, mS1, mW3, mS3, mWsh,
+                                      bars, w_base, s_base)
                 elif item + ST * G < nitems:
                     if const_expr(FENCE):
                         cute.arch.fence_view_async_shared()
                     if const_expr(SHUP):
-                        if item + ST * G < NSHI:
-                            issue_shared(item + ST * G, slot, mWsh, bars, w_base)
-                        else:
-                            issue(item + ST * G - NSHI, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                        issue_virtual(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, mWsh, bars, w_base, s_base)
                     else:
                         issue(item + ST * G, slot, s_act, mW1, mS1, mW3, mS3, bars, w_base, s_base)
             if warp == (WARPS if EPI else WARPS - 1):
@@ -2213,8 +2211,9 @@ HISTORY_VARIANTS = ("run20", "run17", "pro0", "epi0", "prod0", "swap0", "late0",
 # variants with a timeline build besides the defaults: since run 49 only the previous defaults (the timelines of
 # the others were measured in runs 24-41 and are kept in data/measured/moe_trace_*; re-running them needs the
 # compiler on the GPU host), which keeps the offline bundle within the device tool's 64 MiB
-TRACE_VARIANTS = ("run35", "uflag1", "shupi2")  # uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66);
-# shupi2: whether its shared items' bytes arrive while the expert items compute
+# uflag1: its ring start (dflag's, dflagt's, sfirst's, sfirst2's: runs 61-66); shupi2: whether its shared items' bytes
+# arrive while the expert items compute
+TRACE_VARIANTS = ("run35", "uflag1", "shupi2")
 
 
 # the on/off options of parse_pipe_variant: token -> (kernel, key field)
