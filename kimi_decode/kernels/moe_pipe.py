@@ -2201,7 +2201,8 @@ MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584
 
 
 AOT_VARIANTS = ("downmax1", "zlast", "upw16", "f16", "run35", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3",
-                "tail2048", "l2h", "tail2048-l2h", "tail3584-l2h", "shup", "shupi2", "shupi3", "shupi4", "upmax2-shupi2")
+                "tail2048", "l2h", "tail2048-l2h", "tail3584-l2h", "shup", "shupi2", "shupi3", "shupi4", "upmax2-shupi2",
+                "shupi2-tail2048-l2h", "shupi3-tail2048-l2h")
 # the options of runs 17-41, each measured no faster and superseded by the defaults of run 35 (their rows are in
 # data/measured/history and the run tables of docs/fused_moe.md): built only by `kimi-decode bundle --tuning`, which
 # keeps the default bundle within the device call's carry limit (run 70's `upmax2-shup` and `shup-l2h` with them)
