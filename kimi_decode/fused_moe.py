@@ -195,8 +195,13 @@ class FusedMoE:
         if shup and separate_routing:
             raise ValueError("shup streams the shared gate/up rows in moe_up at one or two tokens, with the routing in "
                              "the front kernel: it cannot go with separate_routing=True")
+        # 'shfrontK': the front keeps the first K shared columns' gate/up rows, moe_up streams the rest
+        keep = up_key.shared_front if shup else 0
+        if keep and not keep < shape.shared:
+            raise ValueError(f"shfront{keep}: the front keeps a share of the {shape.shared} shared columns at "
+                             f"TP{shape.tp}; K must be below {shape.shared}")
         front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch, route_flag=route_flag,
-                                           shared_rows=not shup)
+                                           shared_rows=not shup, shared_keep=keep)
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
             raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
@@ -294,13 +299,16 @@ class FusedMoE:
             up_extra += (x, w.shared_gate_up)
         down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
         self._route = kc.load(route_key) if separate_routing else None
-        up_bytes = act * e_up + N * km.L * 4 + (_nbytes(w.shared_gate_up, x) if shup else N * 2 * S * 4)
-        front_rows = shape.sh0 if shup else shape.ncat  # weight rows the front GEMV streams
+        # 'shup': x and the shared gate/up rows moe_up streams (all but the 2·keep the front keeps, whose fp32
+        # pre-activations it reads instead)
+        up_bytes = act * e_up + N * km.L * 4 + N * 2 * (keep if shup else S) * 4 + (
+            _nbytes(x) + _nbytes(w.shared_gate_up) * (S - keep) // S if shup else 0)
+        front_rows = shape.sh0 + 2 * keep if shup else shape.ncat  # weight rows the front GEMV streams
         front_w_bytes = _nbytes(self.w_front) * front_rows // shape.ncat
         down_bytes = act * e_down + _nbytes(self.a, self.lat[1:], w.shared_down, self.a_sh, w.norm)
         up_flops, down_flops = 2 * N * 16 * km.L * 2 * I, 2 * N * 16 * I * km.L + 2 * N * S * km.D
         if shup:
-            up_flops += 2 * N * 2 * S * km.D
+            up_flops += 2 * N * 2 * (S - keep) * km.D
         if merged:
             experts = [Launch(
                 "moe.experts", "Marlin GEMM1 + situ_and_mul + GEMM2 + top-k sum + latent all-reduce read, shared "

@@ -483,6 +483,44 @@ def test_interleaved_shared_order_deals_every_item_once():
         kp.parse_pipe_variant("shupi0")
 
 
+def test_shared_front_keeps_a_share_of_the_shared_rows(compiler):
+    """shfrontK: the front GEMV keeps the gate and up rows of the first K shared columns (K a multiple of its rows per
+    CTA) and moe_up streams the other S - K as its shared items; parse and names round-trip, refused without shup or
+    with K not a multiple of 8; the front keys of the built K are ahead-of-time keys; the builds do not spill; the
+    front's and moe_up's PTX differ from the all-in-moe_up build only by the share (a select of the kept up rows'
+    offset in the front, the SiTU loop of the kept columns in moe_up)."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    s = km.shapes_for_tp(8)
+    u, d = kp.parse_pipe_variant("shupi2-shfront384")
+    assert u == {"shared_up": True, "shared_lead": 2, "shared_front": 384, "max_tokens": 1} and d == {}
+    key = kp.MoEUpPipeKey(s, **u)
+    assert kp.pipe_variant_name(key, kp.MoEDownPipeKey(s)) == "shupi2-shfront384"
+    for bad in ("shfront384", "shupi2-shfront0", "shupi2-shfront100", "l2h-shfront256"):
+        with pytest.raises(ValueError, match="shfront"):
+            kp.parse_pipe_variant(bad)
+    keeps = sorted({kp.parse_pipe_variant(v)[0].get("shared_front", 0) for v in kp.AOT_VARIANTS} - {0})
+    assert keeps and all(0 < k < s.shared for k in keeps)
+    fronts = km.FRONT.aot_keys("sm_90a")
+    for k in keeps:
+        for m in (1, 2):
+            f = km.front_key_for(s, m, False, {}, "sm_90a", shared_rows=False, shared_keep=k)[0]
+            assert f.shared_keep == k and not f.shared_rows and f in fronts
+    f0 = km.front_key_for(s, 1, False, {}, "sm_90a", shared_rows=False)[0]
+    fk = km.front_key_for(s, 1, False, {}, "sm_90a", shared_rows=False, shared_keep=384)[0]
+    assert f0.shared_keep == 0
+    all_in_up = kp.MoEUpPipeKey(s, **kp.parse_pipe_variant("shupi2")[0])
+    for k in (fk, key):
+        assert kc.resource_usage(k)["LOCAL"] == 0 and kc.resource_usage(k)["STACK"] == 0, k
+    assert kp.up_pipe_smem_bytes(key) <= kp.SMEM_BUDGET
+    p_all, p_keep = kc.ptx_text(all_in_up), kc.ptx_text(key)
+    assert p_keep.count("mma.sync") == p_all.count("mma.sync")
+    assert p_keep.count("ex2.approx") > p_all.count("ex2.approx")  # the kept columns' SiTU in the prologue
+    assert kc.ptx_text(fk).count("selp") + kc.ptx_text(fk).count("setp") > \
+        kc.ptx_text(f0).count("selp") + kc.ptx_text(f0).count("setp")
+
+
 def test_sixteen_up_warps_balance_the_sub_partitions(compiler):
     """upw16: warps 0..11 take two super-blocks, 12..15 one, so every row's 28 super-blocks are taken once and each
     sub-partition (warps w = s mod 4) has 7 (14 warps: 8, 8, 6, 6); same mma count as the default, no spill."""

@@ -160,6 +160,10 @@ class MoEFrontKey:
     # the shared experts' gate/up rows in the GEMV (the default). False ('shup', one or two tokens): the front stops
     # after the router and latent-down rows and the pipelined moe_up streams the shared gate/up rows itself
     shared_rows: bool = True
+    # ('shfrontK', with shared_rows False) the GEMV keeps the gate and up rows of the first K shared columns (after
+    # the router and latent-down rows, the up rows' outputs where the full GEMV puts them) and moe_up streams the
+    # rest: a share of the shared bytes between the two launches. 0: none kept
+    shared_keep: int = 0
     arch: str = "sm_90a"
 
 
@@ -233,11 +237,12 @@ _SHARED_SITU = None
 
 
 def shared_situ_and_zeroing():
-    """`@cute.jit` shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, start, step, SHAPE, SITU=True): the part of moe_up
-    that does not depend on the routing, over a grid-stride range (start, step) of threads: the shared experts' SiTU
-    (a_shared, bf16, from the front kernel's fp32 gate/up pre-activations; SITU=False: the zeroing alone, for the
-    pipelined moe_up's 'shup', which computes a_shared itself) and zeroing this rank's fp32 latent partial and the
-    per-token Σ r² that moe_down adds into."""
+    """`@cute.jit` shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, start, step, SHAPE, SITU=True, COLS=0): the part
+    of moe_up that does not depend on the routing, over a grid-stride range (start, step) of threads: the shared
+    experts' SiTU (a_shared, bf16, from the front kernel's fp32 gate/up pre-activations; SITU=False: the zeroing
+    alone, for the pipelined moe_up's 'shup', which computes a_shared itself, or with COLS > 0 ('shfrontK') only its
+    first COLS columns, whose rows the front kept) and zeroing this rank's fp32 latent partial and the per-token Σ r²
+    that moe_down adds into."""
     global _SHARED_SITU
     if _SHARED_SITU is None:
         import cutlass
@@ -246,13 +251,14 @@ def shared_situ_and_zeroing():
 
         @cute.jit
         def run(mF: cute.Tensor, mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, start, step,
-                SHAPE: Constexpr, SITU: Constexpr = True):
+                SHAPE: Constexpr, SITU: Constexpr = True, COLS: Constexpr = 0):
             M = mF.shape[0]
             S, SH0 = SHAPE.shared, SHAPE.sh0
-            if const_expr(SITU):
-                for idx in cutlass.range(start, M * S, step):
-                    t = idx // S
-                    c = idx - t * S
+            NC = S if SITU else COLS  # columns of a_shared computed here
+            if const_expr(NC > 0):
+                for idx in cutlass.range(start, M * NC, step):
+                    t = idx // NC
+                    c = idx - t * NC
                     a = _situ(mF[t, SH0 + c], mF[t, SH0 + S + c], SHAPE.beta, SHAPE.beta_lin)
                     mAsh[t, c] = a.to(BFloat16)
             for idx in cutlass.range(start, M * L, step):
@@ -639,9 +645,13 @@ def build_front(key: MoEFrontKey):
     from cutlass import Float32, Int32, const_expr
 
     sh = key.shape
-    N, K, MT = (sh.ncat if key.shared_rows else sh.sh0), D, key.m_tile  # rows it computes
+    KEEP = key.shared_keep  # ('shfrontK') shared columns whose gate and up rows stay in the GEMV
+    assert KEEP == 0 or (not key.shared_rows and 0 < KEEP < sh.shared), "shared_keep: a share of the shared rows"
+    N, K, MT = (sh.ncat if key.shared_rows else sh.sh0 + 2 * KEEP), D, key.m_tile  # rows it computes
     NCAT = sh.ncat  # the weight's and the output's rows (the shared rows' outputs left unwritten without them)
     R, WARPS, U = default_tiling(N, K, MT)
+    UP0 = sh.sh0 + KEEP  # ('shfrontK') the rows it computes from here on are the kept up rows, S - KEEP further on
+    assert KEEP % R == 0, "shared_keep: whole CTAs of gate rows and of up rows"
     RM = R * MT
     THREADS = 32 * WARPS
     ROUTER_CTAS = E // R
@@ -661,6 +671,8 @@ def build_front(key: MoEFrontKey):
         bx, by, _ = cute.arch.block_idx()
         _, gy, _ = cute.arch.grid_dim()
         row0 = bx * R
+        if const_expr(KEEP):  # the kept up rows lie S - KEEP rows after the kept gate rows, in the weight and output
+            row0 = row0 + (sh.shared - KEEP) * Int32(row0 >= UP0)
         m0 = by * MT
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
@@ -1158,7 +1170,8 @@ def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
 
 
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
-                  arch: str = "sm_90a", route_flag: bool = False, shared_rows: bool = True) -> tuple:
+                  arch: str = "sm_90a", route_flag: bool = False, shared_rows: bool = True,
+                  shared_keep: int = 0) -> tuple:
     """The front kernel's key for a step of m tokens with the routing options `options` (`split_front_options`),
     and the tags of the options that changed it from the default (for the variant name): the plain GEMV
     (`MoEFrontKey`) at the smallest m_tile of M_TILES that holds the step ('mtfit0': of M8_TILES). One token with
@@ -1168,7 +1181,7 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     route_flag: the routing CTA sets meta[ROUTED_FLAG] for moe_up's 'uflag' (the plain front only; refused with
     separate routing or the ring front).
     shared_rows: False for moe_up's 'shup', which streams the shared experts' gate/up rows itself (the plain front
-    only)."""
+    only); shared_keep ('shfrontK', with it): the first K shared columns' gate and up rows stay in the front."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
@@ -1197,7 +1210,7 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
         return ring_key, tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, pdl=pdl, route_flag=route_flag,
-                      shared_rows=shared_rows, arch=arch)  # no routing: the default key
+                      shared_rows=shared_rows, shared_keep=shared_keep, arch=arch)  # no routing: the default key
     return key, tags
 
 
@@ -1255,6 +1268,11 @@ def aot_keys_for(kind: str):
                     out += [front_key_for(s, 1, False, {"front_pdl": True}, arch, route_flag=f)[0] for f in (False, True)]
                     # 'shup' (moe_up streams the shared gate/up rows): one and two tokens
                     out += [front_key_for(s, m, False, {}, arch, shared_rows=False)[0] for m in (1, 2)]
+                    # 'shfrontK' (the front keeps a share of the shared rows): the K of the built variants
+                    from .moe_pipe import AOT_VARIANTS, parse_pipe_variant
+                    keeps = sorted({parse_pipe_variant(v)[0].get("shared_front", 0) for v in AOT_VARIANTS} - {0})
+                    out += [front_key_for(s, m, False, {}, arch, shared_rows=False, shared_keep=k)[0]
+                            for k in keeps for m in (1, 2)]
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:

@@ -180,6 +180,11 @@ class MoEUpPipeKey:
     # the expert items' decode keeps the warps busy; the rest of whichever list is longer at the end. 0 ('shup'): the
     # shared items first, dealt round-robin over the CTAs as one list with the expert items after them (run 70)
     shared_lead: int = 0
+    # ('shfrontK', with shared_up) the front GEMV keeps the gate and up rows of the first K shared columns
+    # (`moe.MoEFrontKey.shared_keep`), whose SiTU moe_up's prologue computes from the front's output as without
+    # 'shup'; moe_up streams the other S - K as its shared items. Run 70 put the shared rows' bytes in moe_up at
+    # about its own rate: only the share that its spare bandwidth absorbs beside the expert items is free. 0: none
+    shared_front: int = 0
     arch: str = "sm_90a"
 
     @property
@@ -210,6 +215,7 @@ class MoEUpPipeKey:
 UP_BALANCED_HALVES = (4, 4, 4, 5, 4, 4, 4, 5, 4, 4, 4, 4, 3, 3)
 
 SHUP_MAX_M = 2  # 'shup': tokens its builds take (x staged in shared memory beside the ring; partials per lane)
+SHARED_FRONT_STEP = 8  # 'shfrontK': K in steps of the front GEMV's rows per CTA (8 at m_tile 2 and above)
 
 
 def shared_order_item(n, ns, ne, bx, lead, ctas, nshi, imin=min, imax=max, flag=int, zero=0):
@@ -518,7 +524,9 @@ def _build_up(key: MoEUpPipeKey):
     PF_SD = -(-SD_BYTES // PF_CHUNK)
     assert W2_BYTES % 16 == 0 and S2_BYTES % 16 == 0 and SD_BYTES % 16 == 0
     SHUP = key.shared_up
-    NSHI = sh.shared if SHUP else 0  # 'shup': shared items (one gate and one up row each) before the expert items
+    KEEP = key.shared_front  # ('shfrontK') shared columns the front computed: their SiTU in the prologue
+    assert KEEP == 0 or (SHUP and 0 < KEEP < sh.shared), "shared_front: a share of the shared rows of 'shup'"
+    NSHI = sh.shared - KEEP if SHUP else 0  # 'shup': shared items (one gate and one up row each: column KEEP + item)
     LEAD = key.shared_lead
     assert LEAD == 0 or (SHUP and LEAD >= 1), "shared_lead orders the shared items of 'shup'"
     SH_BYTES = D * 2  # one shared gate (or up) row, bf16
@@ -556,8 +564,8 @@ def _build_up(key: MoEUpPipeKey):
         cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * SH_BYTES)
         b = bar.toint()
         dw = w_base + slot * (2 * WS_BYTES)
-        bulk_ring(dw, mWsh.iterator.toint() + Int64(item) * SH_BYTES, SH_BYTES, b)
-        bulk_ring(dw + WS_BYTES, mWsh.iterator.toint() + Int64(item + NSHI) * SH_BYTES, SH_BYTES, b)
+        bulk_ring(dw, mWsh.iterator.toint() + Int64(item + KEEP) * SH_BYTES, SH_BYTES, b)
+        bulk_ring(dw + WS_BYTES, mWsh.iterator.toint() + Int64(item + KEEP + sh.shared) * SH_BYTES, SH_BYTES, b)
 
     def shup_virtual(n, ns, ne, bx):
         """(traced inline; 'shupiN') `shared_order_item` on the kernel's Int32 values"""
@@ -599,7 +607,8 @@ def _build_up(key: MoEUpPipeKey):
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(pb, routing_table_bytes(M))
             bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pb.toint())
-        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh, False)  # zeroing only
+        # the zeroing, and ('shfrontK') the SiTU of the columns whose rows the front kept
+        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh, False, KEEP)
         stage_z_plain(mF, sz, tid)
         cute.arch.mbarrier_wait(pb, 0)
         return s_meta[0]
@@ -630,7 +639,7 @@ def _build_up(key: MoEUpPipeKey):
     @cute.jit
     def shared_epilogue(red: cute.Tensor, buf: Int32, lane: Int32, item: Int32, mAsh: cute.Tensor, M: Int32):
         """(the epilogue warp; 'shup') the compute warps' partials summed, then over the lanes: lane t < M writes
-        token t's a_shared[item] = SiTU(gate, up)"""
+        token t's a_shared[KEEP + item] = SiTU(gate, up)"""
         tot = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
         for w_ in cutlass.range_constexpr(WARPS):
             for r in cutlass.range_constexpr(2 * MXT):
@@ -643,7 +652,7 @@ def _build_up(key: MoEUpPipeKey):
             if const_expr(MXT == 2):
                 gate = cutlass.select_(lane == 1, tot[1], gate)
                 up_ = cutlass.select_(lane == 1, tot[3], up_)
-            mAsh[lane, item] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
+            mAsh[lane, item + KEEP] = _situ(gate, up_, BETA, BETA_LIN).to(BFloat16)
 
     def store_partials(red, buf, warp, lane, accs):
         """(a compute warp, traced inline) its K partials of an item: the sum of its accumulators, into red[buf]"""
@@ -2202,7 +2211,8 @@ MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584
 
 AOT_VARIANTS = ("downmax1", "zlast", "upw16", "f16", "run35", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3",
                 "tail2048", "l2h", "tail2048-l2h", "tail3584-l2h", "shup", "shupi2", "shupi3", "shupi4", "upmax2-shupi2",
-                "shupi2-tail2048-l2h", "shupi3-tail2048-l2h")
+                "shupi2-tail2048-l2h", "shupi3-tail2048-l2h", "shupi2-shfront256", "shupi2-shfront384",
+                "shupi2-shfront512")
 # the options of runs 17-41, each measured no faster and superseded by the defaults of run 35 (their rows are in
 # data/measured/history and the run tables of docs/fused_moe.md): built only by `kimi-decode bundle --tuning`, which
 # keeps the default bundle within the device call's carry limit (run 70's `upmax2-shup` and `shup-l2h` with them)
@@ -2253,7 +2263,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     dflagt's counter: `MoEExpertsPipeKey`) [off], tailN (moe_down prefetches the tail's last N W_up
     rows) [0], l2h (L2 priorities: both rings' weight copies evict_first, the tailN prefetch evict_last) [off], shup
     (moe_up streams the shared experts' gate/up rows ahead of its expert items, the front GEMV stops before them; one
-    token, upmax2 two) [off], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
+    token, upmax2 two) [off], shupiN (shup with each CTA's shared and expert items interleaved, N shared items first)
+    [off], shfrontK (with shup or shupiN: the front keeps the first K shared columns' gate/up rows, moe_up streams
+    the rest) [0], contig (moe_down's items as one contiguous run per CTA instead of balanced runs), upearlyN /
     downearlyN (ring slots requested before the staging) [0 / 1; upearlyN > 0 needs pro0, and pro0 alone
     means upearly1, as in run 17]; uppro0 / downpro0 one kernel's prologue only; run24 = RUN24 (the defaults of
     runs 24-26), run27 = RUN27 (the defaults of runs 27-34), run35 = RUN35 (the defaults of runs 35-38), run20 = RUN20 (the defaults of runs 20-23), run17 =
@@ -2298,6 +2310,11 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
             up["shared_up"], up["shared_lead"] = True, int(m.group(1))
             if not up["shared_lead"]:
                 raise ValueError(f"shupiN leads with N >= 1 shared items (shup: all of them first); got {text!r}")
+        elif m := re.fullmatch(r"shfront(\d+)", tok):  # the front keeps the first K shared columns' gate/up rows
+            up["shared_front"] = int(m.group(1))
+            if up["shared_front"] % SHARED_FRONT_STEP or not 0 < up["shared_front"]:
+                raise ValueError(f"shfrontK keeps K > 0 shared columns in the front, K a multiple of "
+                                 f"{SHARED_FRONT_STEP} (whole CTAs of its GEMV); got {text!r}")
         elif tok == "zswz":
             up["z_swizzle"] = True
         elif tok == "contig":
@@ -2337,7 +2354,7 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
                              f"even out its sub-partitions), dflag/dflagt (moe_down starts on a counter of finished moe_up CTAs), merge (moe_up and moe_down in one launch), sfirst/sfirst2 (moe_down's shared items before its wait), f16 (moe_up on f16 mma), zswz (moe_up's swizzled z), pf0/pf1 (moe_up "
                              f"prefetches moe_down's bytes), tailN (moe_down prefetches the tail's last 0..{D} rows), l2h (L2 "
                              f"priorities: the rings evict_first, the tail's prefetch evict_last), shup (moe_up streams the shared "
-                             f"gate/up rows), "
+                             f"gate/up rows), shfrontK (with shup: the front keeps the first K shared columns' rows), "
                              f"contig (moe_down's items in one contiguous run per CTA), upearlyN/downearlyN (ring "
                              f"slots requested before the staging), run17, run20, run24, run27; e.g. pf1-tail2048 or run17; got {text!r}")
     if down.get("async_flush") or down.get("lazy_flush"):  # the in-line flushes: alternatives to the flush warps
@@ -2360,6 +2377,9 @@ def parse_pipe_variant(text: str) -> tuple[dict, dict]:
     if up.get("z_last", MoEUpPipeKey.z_last) and not up.get("prologue", MoEUpPipeKey.prologue):
         raise ValueError(f"zlast places z in moe_up's ring, which only the merged prologue does: it cannot go "
                          f"with pro0; got {text!r}")
+    if up.get("shared_front") and not up.get("shared_up"):
+        raise ValueError(f"shfrontK shares the shared gate/up rows between the front and moe_up's 'shup' or "
+                         f"'shupiN': it needs one of them; got {text!r}")
     if up.get("shared_up"):
         up.setdefault("max_tokens", 1)
         clash = [name for name, on in (("zlast", up.get("z_last")), ("uflag", up.get("route_early")),
@@ -2424,6 +2444,8 @@ def pipe_variant_name(up: MoEUpPipeKey, down: "MoEDownPipeKey | None") -> str:
         parts.append(f"upmax{up.max_tokens}")
     if up.shared_up:
         parts.append(f"shupi{up.shared_lead}" if up.shared_lead else "shup")
+        if up.shared_front:
+            parts.append(f"shfront{up.shared_front}")
     down_spin = down.spin_wait if isinstance(down, MoEDownPipeKey) else up.spin_wait
     if up.spin_wait:
         parts.append("spin" if down_spin else "upspin")
