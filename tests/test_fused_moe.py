@@ -413,8 +413,9 @@ def test_shared_up_streams_the_shared_rows_through_moe_ups_ring(compiler):
     """shup: the front GEMV stops after the router and latent-down rows, and moe_up streams the shared gate/up rows
     (one gate and one up row an item) ahead of its expert items: their slots and x are requested before
     griddepcontrol.wait (the default requests nothing before it), the expert items keep their mma count, the shared
-    rows are summed on CUDA cores (fp32 FMA per bf16 pair) and across lanes by shuffles; one token by default,
-    two with upmax2; no spills, within the shared-memory budget; refused with the options it cannot go with."""
+    rows are summed on CUDA cores (fp32 FMA per bf16 pair) and across lanes by shuffles, in a branch of their own
+    (no predicated mma in the SASS); one token by default, two with upmax2; no spills, within the shared-memory
+    budget; refused with the options it cannot go with."""
     import re
 
     from kimi_decode import compile as kc
@@ -447,6 +448,11 @@ def test_shared_up_streams_the_shared_rows_through_moe_ups_ring(compiler):
     assert p1.count("shfl.sync") > p0.count("shfl.sync")
     for key in (one, two):
         assert kc.resource_usage(key)["STACK"] == 0 and kc.resource_usage(key)["LOCAL"] == 0, key
+    # a shared item and an expert item run different code, not one predicated stream (run 71: ptxas had if-converted
+    # the two branches, so every shared item issued the expert item's decode and mma with the predicate off)
+    for key in (one, kp.MoEUpPipeKey(s, **kp.parse_pipe_variant("shupi2")[0])):
+        sass = kc.sass_text(key)
+        assert "HMMA" in sass and not re.search(r"@!?P\d+\s+HMMA", sass), key
     front = km.front_key_for(s, 1, False, {}, "sm_90a", shared_rows=False)[0]
     assert not front.shared_rows and front in km.FRONT.aot_keys("sm_90a")
     assert kc.resource_usage(front)["LOCAL"] == 0

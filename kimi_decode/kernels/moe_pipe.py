@@ -614,6 +614,21 @@ def _build_up(key: MoEUpPipeKey):
         return s_meta[0]
 
     @cute.jit
+    def slot_wait(bars: cute.Tensor, slot: Int32, n: Int32, mTrace: cute.Tensor, bx: Int32, tid: Int32, lane: Int32,
+                  warp: Int32):
+        """(a compute warp) wait for item n's ring slot; the timeline build stamps the arrival (thread 0) and the
+        warp's pass (its lane 0)"""
+        if const_expr(key.spin_wait):
+            spin((bars.iterator + slot).toint(), (n // ST) % 2)
+        else:
+            cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
+        if const_expr(TR):
+            if tid == 0 and n < TRACE_ITEMS:
+                stamp(mTrace, bx, 4 + 2 * n)
+            if lane == 0 and n < WARP_TRACE_ITEMS:
+                stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
+
+    @cute.jit
     def shared_partials(gR: cute.Tensor, gX: cute.Tensor, red: cute.Tensor, slot: Int32, buf: Int32, warp: Int32,
                         lane: Int32):
         """(a compute warp; 'shup') the warp's K share of a shared item's gate and up rows against each token's x:
@@ -1005,43 +1020,40 @@ def _build_up(key: MoEUpPipeKey):
             buf = n % NB
             if warp < WARPS:  # the compute warps (all of them without an epilogue warp)
                 t = s_tok[off + cutlass.min(g, num - 1)]  # this lane's B column (token); clamped
-                if const_expr(key.spin_wait):
-                    spin((bars.iterator + slot).toint(), (n // ST) % 2)
-                else:
-                    cute.arch.mbarrier_wait(bars.iterator + slot, (n // ST) % 2)
-                if const_expr(TR):
-                    if tid == 0 and n < TRACE_ITEMS:
-                        stamp(mTrace, bx, 4 + 2 * n)
-                    if lane == 0 and n < WARP_TRACE_ITEMS:
-                        stamp(mTrace, bx, warp_trace_slot(n, warp, 0))
-                if const_expr(SHUP):
+                if const_expr(SHUP):  # the wait (a loop) in each branch: ptxas then keeps the branch instead of
+                    # predicating both items' code into one stream that every item issues (run 71's SASS: a shared
+                    # item issued the expert item's decode and mma, predicated off)
                     if item < NSHI:
+                        slot_wait(bars, slot, n, mTrace, bx, tid, lane, warp)
                         shared_partials(gR, gX, red, slot, buf, warp, lane)
                     else:
+                        slot_wait(bars, slot, n, mTrace, bx, tid, lane, warp)
                         expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
-                elif const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
-                    acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    for q in cutlass.range_constexpr(NSB // WARPS):
-                        acc = f16_superblock(acc, ring_w, ring_s32, gZ, slot, g, c, warp + WARPS * q, t)
-                    store_partials(red, buf, warp, lane, [acc])
-                elif const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
-                    acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                    for u in cutlass.range_constexpr(HMAX):
-                        if const_expr(u < HMIN):
-                            if const_expr(u % 2 == 0):
-                                acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
-                            else:
-                                acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
-                        else:
-                            if u < nh:
+                else:
+                    slot_wait(bars, slot, n, mTrace, bx, tid, lane, warp)
+                    if const_expr(F16):  # one accumulator: the group's mma are chained, then scaled
+                        acc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                        for q in cutlass.range_constexpr(NSB // WARPS):
+                            acc = f16_superblock(acc, ring_w, ring_s32, gZ, slot, g, c, warp + WARPS * q, t)
+                        store_partials(red, buf, warp, lane, [acc])
+                    elif const_expr(BAL):  # halves alternate between two accumulators: two independent mma chains
+                        acc0 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                        acc1 = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+                        for u in cutlass.range_constexpr(HMAX):
+                            if const_expr(u < HMIN):
                                 if const_expr(u % 2 == 0):
                                     acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
                                 else:
                                     acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
-                    store_partials(red, buf, warp, lane, [acc0, acc1])
-                else:
-                    expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
+                            else:
+                                if u < nh:
+                                    if const_expr(u % 2 == 0):
+                                        acc0 = up_half(acc0, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                                    else:
+                                        acc1 = up_half(acc1, gW, ring_s, gZ, slot, g, c, h0 + u, t)
+                        store_partials(red, buf, warp, lane, [acc0, acc1])
+                    else:
+                        expert_partials(gW, ring_s, gZ, red, slot, buf, warp, lane, g, c, t)
                 if const_expr(TR):
                     if lane == 0 and n < WARP_TRACE_ITEMS:
                         stamp(mTrace, bx, warp_trace_slot(n, warp, 1))
