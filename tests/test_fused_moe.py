@@ -506,7 +506,7 @@ def test_shared_front_keeps_a_share_of_the_shared_rows(compiler):
     for bad in ("shfront384", "shupi2-shfront0", "shupi2-shfront100", "l2h-shfront256"):
         with pytest.raises(ValueError, match="shfront"):
             kp.parse_pipe_variant(bad)
-    keeps = sorted({kp.parse_pipe_variant(v)[0].get("shared_front", 0) for v in kp.AOT_VARIANTS} - {0})
+    keeps = kp.built_shared_fronts()
     assert keeps and all(0 < k < s.shared for k in keeps)
     fronts = km.FRONT.aot_keys("sm_90a")
     for k in keeps:

@@ -1269,10 +1269,9 @@ def aot_keys_for(kind: str):
                     # 'shup' (moe_up streams the shared gate/up rows): one and two tokens
                     out += [front_key_for(s, m, False, {}, arch, shared_rows=False)[0] for m in (1, 2)]
                     # 'shfrontK' (the front keeps a share of the shared rows): the K of the built variants
-                    from .moe_pipe import AOT_VARIANTS, parse_pipe_variant
-                    keeps = sorted({parse_pipe_variant(v)[0].get("shared_front", 0) for v in AOT_VARIANTS} - {0})
+                    from .moe_pipe import built_shared_fronts
                     out += [front_key_for(s, m, False, {}, arch, shared_rows=False, shared_keep=k)[0]
-                            for k in keeps for m in (1, 2)]
+                            for k in built_shared_fronts() for m in (1, 2)]
             elif kind == "route":
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:

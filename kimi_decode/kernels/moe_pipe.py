@@ -2225,6 +2225,13 @@ AOT_VARIANTS = ("downmax1", "zlast", "upw16", "f16", "run35", "dflag", "dflagt",
                 "tail2048", "l2h", "tail2048-l2h", "tail3584-l2h", "shup", "shupi2", "shupi3", "shupi4", "upmax2-shupi2",
                 "shupi2-tail2048-l2h", "shupi3-tail2048-l2h", "shupi2-shfront256", "shupi2-shfront384",
                 "shupi2-shfront512")
+
+
+def built_shared_fronts() -> list[int]:
+    """The K of the 'shfrontK' variants among AOT_VARIANTS: the front keys built for them (`moe.aot_keys_for`)."""
+    return sorted({parse_pipe_variant(v)[0].get("shared_front", 0) for v in AOT_VARIANTS} - {0})
+
+
 # the options of runs 17-41, each measured no faster and superseded by the defaults of run 35 (their rows are in
 # data/measured/history and the run tables of docs/fused_moe.md): built only by `kimi-decode bundle --tuning`, which
 # keeps the default bundle within the device call's carry limit (run 70's `upmax2-shup` and `shup-l2h` with them)
