@@ -99,10 +99,15 @@ def bench_gemv(rows, m_list, replays):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             out_t = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            out_c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             impls = {
                 "cute_gemv": [lambda w=w: G.gemv(x, w, out=out) for w in ws],
                 "torch.mm": [lambda w=w: torch.mm(x, w.T, out=out_t) for w in ws],
             }
+            if m > 1 and (m <= 8 or (k, n) in G.MMA_SHAPES_64):  # the tensor-core GEMV (GemvKey.mma, at its built
+                # shapes), checked against the fp32 reference before it is timed
+                check_mma_gemv(x, ws[0], out_c)
+                impls["cute_gemv_mma"] = [lambda w=w: G.gemv(x, w, out=out_c, mma=True) for w in ws]
             for impl, launches in impls.items():
                 med, p10, p90 = summarize(time_graph(launches, replays))
                 moved = wbytes + m * k * 2 + m * n * 2
@@ -111,14 +116,33 @@ def bench_gemv(rows, m_list, replays):
                                  bytes=moved, gbs=round(moved / med / 1e3, 1),
                                  frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
                 print(f"gemv {impl:9s} {m:2d}x{k}x{n}: {med:7.2f} us  {moved / med / 1e3:7.0f} GB/s", flush=True)
-            # correctness spot check in the same run
+            # correctness spot check in the same run: each CuTe GEMV's output against torch.mm's
             G.gemv(x, ws[0], out=out)
             torch.mm(x, ws[0].T, out=out_t)
+            if "cute_gemv_mma" in impls:
+                G.gemv(x, ws[0], out=out_c, mma=True)
             torch.cuda.synchronize()
             diff = (out.float() - out_t.float()).abs().max().item()
-            rows[-1]["max_abs_diff_vs_torch"] = rows[-2]["max_abs_diff_vs_torch"] = diff
+            for r in rows[-len(impls):]:
+                r["max_abs_diff_vs_torch"] = ((out_c.float() - out_t.float()).abs().max().item()
+                                              if r["impl"] == "cute_gemv_mma" else diff)
         del ws
         torch.cuda.empty_cache()
+
+
+def check_mma_gemv(x, w, out):
+    """NaN-poison `out`, run the tensor-core GEMV once, and require every element written and within twice the
+    error of a bf16 torch.mm against the fp32 reference (the rule of tests/test_kernels_gemv.py)."""
+    out.fill_(float("nan"))
+    G.gemv(x, w, out=out, mma=True)
+    ref = x.float() @ w.float().T
+    torch.cuda.synchronize()
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"mma GEMV {tuple(x.shape)}x{tuple(w.shape)}: NaN left in the output")
+    err = (out.float() - ref).abs().max().item()
+    err_bf16 = ((x @ w.T).float() - ref).abs().max().item()
+    if err > 2 * err_bf16 + 1e-3 * ref.abs().max().item():
+        raise RuntimeError(f"mma GEMV {tuple(x.shape)}x{tuple(w.shape)}: max err {err:.3g} vs bf16 {err_bf16:.3g}")
 
 
 def bench_tuning(rows, ks, replays):

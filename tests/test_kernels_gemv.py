@@ -33,6 +33,49 @@ def test_batch_outside_support_is_refused(m):
         G.gemv(x, w)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(m_tile=4), "m_tile in"),
+    (dict(gate=True), "no epilogue options"),
+    (dict(out_fp32=True), "no epilogue options"),
+    (dict(n=200), "multiple of rows=16"),
+    (dict(k=3584 + 32), "multiple of 32 x warps=4"),
+])
+def test_mma_key_refuses_what_the_tensor_core_gemv_cannot_do(kw, match):
+    base = dict(n=224, k=3584, m_tile=8, mma=True)
+    with pytest.raises(ValueError, match=match):
+        G.GemvKey(**{**base, **kw})
+
+
+def test_mma_tiling_and_m_tiles():
+    assert G.GemvKey(n=224, k=3584, m_tile=8, mma=True).rows == 16
+    assert G.GemvKey(n=224, k=3584, m_tile=64, mma=True).rows == 32  # two m16 tiles share each token's x
+    assert [G.pick_m_tile(m, mma=True) for m in (1, 8, 9, 64)] == [8, 8, 64, 64]
+    keys = G.aot_keys("sm_90a")
+    for k, n in G.DECODE_SHAPES + [G.TEST_SHAPE_MMA]:
+        assert G.GemvKey(n=n, k=k, m_tile=8, mma=True) in keys
+    for k, n in G.MMA_SHAPES_64 + [G.TEST_SHAPE_MMA]:
+        assert G.GemvKey(n=n, k=k, m_tile=64, mma=True) in keys
+
+
+def test_mma_gemv_refuses_unsupported_options_before_launch():
+    x = torch.zeros(2, 3584, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        G.gemv(x, torch.zeros(224, 3584, dtype=torch.bfloat16), mma=True)
+
+
+@pytest.mark.parametrize("m_tile", G.MMA_AOT_M_TILES)
+def test_mma_gemv_compiles_to_tensor_core_steps_without_spills(compiler, m_tile):
+    import kimi_decode.compile as kc
+
+    k, n = G.TEST_SHAPE_MMA
+    key = G.GemvKey(n=n, k=k, m_tile=m_tile, mma=True, arch="sm_90a")
+    ptx = kc.ptx_text(key)
+    tiles = (key.rows // 16) * (m_tile // 8)
+    # two mma.sync per 32-wide block of K, per (m16, n8) tile; every block of the warp's share unrolled
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * tiles * (k // 32 // key.warps)
+    assert kc.resource_usage(key)["LOCAL"] == 0
+
+
 def test_cpu_tensors_are_refused_before_launch():
     with pytest.raises(ValueError, match="CUDA device"):
         G.gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16))
@@ -186,3 +229,24 @@ def test_gemv_cuda_graph_capture_and_replay(m):
         graph.replay()
         torch.cuda.synchronize()
         _assert_close(out, x, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k,n", [G.TEST_SHAPE_MMA, (7168, 2112)])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 33, 64])
+def test_gemv_mma_matches_reference(m, k, n):
+    """The tensor-core GEMV against the fp32 reference, NaN-poisoned output, fresh inputs per shape."""
+    x, w = _inputs(m, k, n, seed=31 + m + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.gemv(x, w, out=out, mma=True)
+    torch.cuda.synchronize()
+    _assert_close(out, x, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gemv_mma_refuses_a_shape_outside_its_tiles_on_gpu():
+    x, w = _inputs(9, 7168, 2112 + 16)  # N a multiple of 16 but not of the 32 rows of the 64-token tile
+    with pytest.raises(ValueError, match="multiple of rows=32"):
+        G.gemv(x, w, mma=True)

@@ -30,6 +30,9 @@ CHUNK = 32 * VEC  # elements of one row a warp reads per step
 MAX_M = 64
 M_TILES = (1, 2, 4, 8)
 AOT_M_TILES = (1, 8)
+# the tensor-core GEMV (`GemvKey.mma`): tokens in n8 tiles of mma.sync m16n8k16, weight rows in m16 tiles
+MMA_M_TILES = (8, 16, 32, 64)
+MMA_K_BLOCK = 32  # K a warp consumes per step: a 16-byte load of each of its rows and of each token's x
 
 
 def default_tiling(n: int, k: int, m_tile: int) -> tuple[int, int, int]:
@@ -63,11 +66,17 @@ class GemvKey:
     rows: int = 0  # weight rows per CTA (0: default_tiling)
     warps: int = 0  # warps per CTA, splitting K (0: default_tiling)
     unroll: int = 0  # chunks loaded ahead per row (0: default_tiling)
+    # tensor cores instead of CUDA-core FMAs (`gemv_partials_mma`): m_tile in MMA_M_TILES, rows a multiple of 16,
+    # K a multiple of 32 per warp; the weights are still read once per m_tile tokens
+    mma: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
         if self.k % VEC:
             raise ValueError(f"K={self.k} must be a multiple of {VEC} (128-bit loads)")
+        if self.mma:
+            self._check_mma()
+            return
         if self.m_tile not in M_TILES:
             raise ValueError(f"m_tile={self.m_tile} not in {M_TILES}")
         rows, warps, unroll = default_tiling(self.n, self.k, self.m_tile)
@@ -78,6 +87,30 @@ class GemvKey:
             raise ValueError(f"N={self.n} must be a multiple of rows={self.rows}")
         if self.rows * self.m_tile > 32 * self.warps:
             raise ValueError("rows * m_tile must not exceed the CTA's threads")
+
+    def _check_mma(self):
+        if self.m_tile not in MMA_M_TILES:
+            raise ValueError(f"the tensor-core GEMV takes m_tile in {MMA_M_TILES}, got {self.m_tile}")
+        if self.out_fp32 or self.gate or self.residual:
+            raise ValueError("the tensor-core GEMV has no epilogue options (gate, residual, out_fp32) yet")
+        rows, warps, unroll = mma_tiling(self.m_tile)
+        for name, value in (("rows", rows), ("warps", warps), ("unroll", unroll)):
+            if getattr(self, name) == 0:
+                object.__setattr__(self, name, value)
+        if self.rows % 16:
+            raise ValueError(f"rows={self.rows} must be a multiple of 16 (mma.sync m16 tiles)")
+        if self.n % self.rows:
+            raise ValueError(f"N={self.n} must be a multiple of rows={self.rows}")
+        if self.k % (MMA_K_BLOCK * self.warps):
+            raise ValueError(f"K={self.k} must be a multiple of {MMA_K_BLOCK} x warps={self.warps} "
+                             f"(each warp takes whole {MMA_K_BLOCK}-wide blocks of K)")
+
+
+def mma_tiling(m_tile: int) -> tuple[int, int, int]:
+    """(rows, warps, unroll) of the tensor-core GEMV: 16 rows (two m16 tiles from 32 tokens on, so that each
+    token's x, read from L2 by every CTA, serves twice the rows), 4 warps splitting K, and 4 steps of loads in
+    flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). Not tuned on a GPU yet."""
+    return (16, 4, 4) if m_tile <= 16 else (32, 4, 2)
 
 
 _PARTIALS = None
@@ -225,6 +258,115 @@ def _make_partials():
     return partials
 
 
+_PARTIALS_MMA = None
+
+
+def gemv_partials_mma():
+    """The tensor-core form of `gemv_partials` (`@cute.jit`, inlined where called):
+
+        pre = gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, wait, after_wait)
+
+    leaves the partials token-major, buf[warp, mi * R + r] = Σ over the warp's part of K of W[row0 + r] ·
+    x[m0 + mi] (so that the threads of an epilogue store consecutive rows of one token's output), with the same
+    `wait` / `after_wait` contract, and ends with a CTA barrier. Warp w takes the 32-wide blocks
+    w, w + WARPS, ... of K; at each block a lane (g = lane / 4, c = lane % 4) loads 16 bytes of each of its rows
+    (row 16t + g and 16t + g + 8 of each m16 tile t) and of token g of each n8 tile, at K offset 8c. The sum over
+    K is free of order as long as A and B agree, so those four words are the lane's A and B fragments as they
+    are (`ptx_ops`: a0a1 a2a3 a4a5 a6a7 = words 0 and 1 of rows g, g + 8 for the first mma.sync m16n8k16, words
+    2 and 3 for the second; b0b1 b2b3 = words 0, 1 and 2, 3 of token g): no shuffle, no conversion, and x needs
+    no staging. MT must be a multiple of 8 and R of 16; K a multiple of 32·WARPS (`GemvKey` checks)."""
+    global _PARTIALS_MMA
+    if _PARTIALS_MMA is None:
+        _PARTIALS_MMA = _make_partials_mma()
+    return _PARTIALS_MMA
+
+
+def _make_partials_mma():
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Constexpr, Float32, Int32, const_expr
+
+    from .ptx_ops import mma_bf16
+
+    @cute.jit
+    def partials(mW: cute.Tensor, mX: cute.Tensor, buf: cute.Tensor, row0, m0, K: Constexpr, MT: Constexpr,
+                 R: Constexpr, WARPS: Constexpr, U: Constexpr, wait: Constexpr, after_wait: Constexpr = None):
+        mma = mma_bf16()
+        NB = K // MMA_K_BLOCK
+        PER_WARP = NB // WARPS
+        GROUPS = -(-PER_WARP // U)
+        RT = R // 16
+        NT = MT // 8
+        WORDS = K // 2
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        g = lane // 4
+        c = lane - 4 * g
+        M = mX.shape[0]
+        N = mW.shape[0]
+        w32 = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=Int32), cute.make_layout((N, WORDS), stride=(WORDS, 1)))
+        x32 = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32), cute.make_layout((M, WORDS), stride=(WORDS, 1)))
+        gW = cute.zipped_divide(w32, (1, 4))  # ((1, 4), (N, K / 8)): 16 bytes of a row
+        gX = cute.zipped_divide(x32, (1, 4))
+        assert not wait or GROUPS > 0, "wait needs at least one block of K per warp"
+        pre = None
+        acc = cute.make_rmem_tensor((RT * NT * 4,), Float32)
+        for i in cutlass.range_constexpr(RT * NT * 4):
+            acc[i] = Float32(0.0)
+        rows = []
+        for t in cutlass.range_constexpr(RT):
+            rows.append(row0 + 16 * t + g)
+            rows.append(row0 + 16 * t + g + 8)
+        toks = []
+        for t in cutlass.range_constexpr(NT):
+            toks.append(cutlass.min(m0 + 8 * t + g, M - 1))  # tokens past M compute garbage that is never stored
+        for gi in cutlass.range_constexpr(GROUPS):
+            ws = []
+            kvs = []
+            for u in cutlass.range_constexpr(U):
+                step = gi * U + u
+                if const_expr(step < PER_WARP):
+                    kv = (warp + step * WARPS) * 4 + c  # in 16-byte units along K
+                    kvs.append(kv)
+                    wr = []
+                    for r in cutlass.range_constexpr(2 * RT):
+                        wr.append(gW[(None, (rows[r], kv))].load())
+                    ws.append(wr)
+            if const_expr(wait and gi == 0):
+                cute.arch.griddepcontrol_wait()
+                if const_expr(after_wait is not None):
+                    pre = after_wait()
+            xs = []
+            for u in cutlass.range_constexpr(len(kvs)):
+                xr = []
+                for t in cutlass.range_constexpr(NT):
+                    xr.append(gX[(None, (toks[t], kvs[u]))].load())
+                xs.append(xr)
+            for u in cutlass.range_constexpr(len(kvs)):
+                for h in cutlass.range_constexpr(2):  # words (0, 1), then (2, 3)
+                    for rt in cutlass.range_constexpr(RT):
+                        lo, hi = ws[u][2 * rt], ws[u][2 * rt + 1]
+                        a = [lo[2 * h], hi[2 * h], lo[2 * h + 1], hi[2 * h + 1]]
+                        for t in cutlass.range_constexpr(NT):
+                            b = [xs[u][t][2 * h], xs[u][t][2 * h + 1]]
+                            o = (rt * NT + t) * 4
+                            d = mma(a, b, [acc[o], acc[o + 1], acc[o + 2], acc[o + 3]])
+                            for q in cutlass.range_constexpr(4):
+                                acc[o + q] = d[q]
+        # c0 c1: row g, tokens 2c, 2c + 1 of the n8 tile; c2 c3: row g + 8, the same tokens
+        for rt in cutlass.range_constexpr(RT):
+            for t in cutlass.range_constexpr(NT):
+                o = (rt * NT + t) * 4
+                for q in cutlass.range_constexpr(4):
+                    r = 16 * rt + g + 8 * (q // 2)
+                    mi = 8 * t + 2 * c + (q % 2)
+                    buf[warp, mi * R + r] = acc[o + q]
+        cute.arch.barrier()
+        return pre
+
+    return partials
+
+
 def build(key: GemvKey):
     import cutlass
     import cutlass.cute as cute
@@ -235,6 +377,8 @@ def build(key: GemvKey):
     OUT = Float32 if key.out_fp32 else BFloat16
     GATE, RES = key.gate, key.residual
     RM = R * MT
+    MMA = key.mma
+    THREADS = 32 * WARPS
 
     @cute.kernel
     def gemv_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor):
@@ -245,24 +389,33 @@ def build(key: GemvKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
-        if tid < RM:
-            r = tid // MT
-            mi = tid - r * MT
-            s = warp_sum()(buf, tid, WARPS)
-            if m0 + mi < M:
-                if const_expr(GATE):
-                    gt = mG[m0 + mi, row0 + r].to(Float32)
-                    s = s / (Float32(1.0) + cute.math.exp(-gt, fastmath=True))
-                if const_expr(RES):
-                    s = s + mR[m0 + mi, row0 + r].to(Float32)
-                mO[m0 + mi, row0 + r] = s.to(OUT)
+        if const_expr(MMA):
+            gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, False)
+        else:
+            gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
+        for j in cutlass.range_constexpr(-(-RM // THREADS)):  # one thread per (row, token) of the tile
+            e = tid + j * THREADS
+            if e < RM:
+                if const_expr(MMA):  # token-major partials: consecutive threads, consecutive rows of a token
+                    mi = e // R
+                    r = e - mi * R
+                else:
+                    r = e // MT
+                    mi = e - r * MT
+                s = warp_sum()(buf, e, WARPS)
+                if m0 + mi < M:
+                    if const_expr(GATE):
+                        gt = mG[m0 + mi, row0 + r].to(Float32)
+                        s = s / (Float32(1.0) + cute.math.exp(-gt, fastmath=True))
+                    if const_expr(RES):
+                        s = s + mR[m0 + mi, row0 + r].to(Float32)
+                    mO[m0 + mi, row0 + r] = s.to(OUT)
 
     @cute.jit
     def gemv_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, mG: cute.Tensor, mR: cute.Tensor, stream):
         M = mX.shape[0]
         gemv_kernel(mW, mX, mO, mG, mR).launch(
-            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * RM + 64, stream=stream
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1), smem=4 * WARPS * RM + 64, stream=stream
         )
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -279,6 +432,10 @@ def build(key: GemvKey):
 
 
 TEST_SHAPE = (7160, 200)  # (K, N): a partial last chunk and uneven K split, for the GPU tests
+# (K, N) for the tensor-core GEMV's GPU tests: 29 blocks of K a warp, so the last group of loads is partial
+TEST_SHAPE_MMA = (3712, 224)
+MMA_AOT_M_TILES = (8, 64)
+MMA_SHAPES_64 = [(7168, 2112), (7168, 12288)]  # (K, N) of the 64-token tensor-core builds
 
 # Decode shapes of one TP8 rank (M×K×N of `gpu_facts.md`), compiled ahead of time.
 DECODE_SHAPES = [  # (K, N)
@@ -300,6 +457,10 @@ def aot_keys(arch: str) -> list[GemvKey]:
         keys.append(GemvKey(n=3584, k=7168, m_tile=mt, gate=True, arch=arch))
         keys.append(GemvKey(n=896, k=7168, m_tile=mt, out_fp32=True, arch=arch))  # router: 896 experts
         keys.append(GemvKey(n=TEST_SHAPE[1], k=TEST_SHAPE[0], m_tile=mt, arch=arch))
+    # the tensor-core GEMV (plain: no epilogue options yet): 8 tokens at every decode shape, 64 at a few (its K loop
+    # is unrolled, 185 KB of code a build at K = 7168, and the offline bundle must fit the device call)
+    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, arch=arch) for k, n in DECODE_SHAPES + [TEST_SHAPE_MMA]]
+    keys += [GemvKey(n=n, k=k, m_tile=64, mma=True, arch=arch) for k, n in MMA_SHAPES_64 + [TEST_SHAPE_MMA]]
     return keys
 
 
@@ -332,9 +493,11 @@ SPEC = kc.register(
 )
 
 
-def pick_m_tile(m: int) -> int:
-    """m_tile for batch m: 1 at M = 1, else 8 (the tiles built ahead of time)."""
-    return next(t for t in AOT_M_TILES if t >= m or t == AOT_M_TILES[-1])
+def pick_m_tile(m: int, mma: bool = False) -> int:
+    """m_tile for batch m among the tiles built ahead of time: CUDA cores 1 at M = 1, else 8; tensor cores
+    (`mma`) 8 up to M = 8, else 64."""
+    tiles = MMA_AOT_M_TILES if mma else AOT_M_TILES
+    return next(t for t in tiles if t >= m or t == tiles[-1])
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -360,12 +523,15 @@ def gemv(
     residual: torch.Tensor | None = None,
     out_fp32: bool = False,
     out: torch.Tensor | None = None,
+    mma: bool = False,
     arch: str | None = None,
 ) -> torch.Tensor:
     """out = epi(x @ weight.T) for x [M, K] bf16 (M = 1..64), weight [N, K] bf16, on one CUDA device.
 
     gate, residual: optional [M, N] bf16 (out = (x@Wᵀ)·σ(gate) + residual);
     out_fp32: fp32 output (router). `out` may be given (NaN-poisoned in tests).
+    mma: on tensor cores (`GemvKey.mma`; no gate, residual or fp32 output; N a multiple of 16, of 32 above
+    8 tokens; K a multiple of 128), which reads the weights once per 64 tokens instead of once per 8.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be torch tensors")
@@ -389,13 +555,14 @@ def gemv(
         out = torch.empty((M, N), dtype=out_dtype, device=dev)
     else:
         _check("out", out, (M, N), out_dtype, dev)
-    key = GemvKey(
+    key = GemvKey(  # raises ValueError for a shape or option outside the chosen kernel, before any launch
         n=N,
         k=K,
-        m_tile=pick_m_tile(M),
+        m_tile=pick_m_tile(M, mma),
         gate=gate is not None,
         residual=residual is not None,
         out_fp32=out_fp32,
+        mma=mma,
         arch=kc.resolve_arch(arch),
     )
     fn = kc.load(key)
