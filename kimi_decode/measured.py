@@ -74,6 +74,7 @@ RESULT_COLUMNS = {
     "ring_rate": ["slot_kb", "stages", "ctas_per_sm", "kb_in_flight_per_sm", "work", "us_median", "us_p10", "us_p90",
                   "achieved_GBps", "fraction_of_copy", "checked"],
     "mma_rate": ["warps", "chains", "decode", "cycles_per_mma", "clock_GHz", "moe_up_item_cycles_if_mma_bound"],
+    "kernels": ["impl", "M", "K", "N", "us_median", "us_p10", "us_p90", "gbs", "max_abs_diff_vs_torch"],
     "collectives": ["layer", "tp", "dcp", "processes", "batch", "collectives", "ranks_agree", "all_written",
                     "rel_err_vs_dcp1", "us_median", "us_p10", "us_p90", "kernels_measured", "emulated_us_median",
                     "emulation_error", "floor_us_h200"],
@@ -92,6 +93,8 @@ def results_markdown(name: str, kind: str | None = None) -> str:
             kind = "ring_rate"
         elif "emulated_us_median" in df.columns:
             kind = "collectives"
+        elif "impl" in df.columns and "gbs" in df.columns:  # scripts/bench_kernels.py
+            kind = "kernels"
         else:
             kind = "check" if "us_median" not in df.columns else "moe" if "floor_ratio" in df.columns else "stock"
     if kind not in RESULT_COLUMNS:

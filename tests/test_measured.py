@@ -82,6 +82,12 @@ def test_mma_rate_csv_prints_its_own_columns_and_a_wrong_kind_is_refused():
         results_markdown("mma_rate_h200", kind="nope")
 
 
+def test_kernel_bench_csv_prints_its_own_columns():
+    from kimi_decode.measured import results_markdown
+    md = results_markdown("kernels_gemv_mma_h100")
+    assert md.startswith("| impl | M | K | N | us_median |") and "cute_gemv_mma" in md and "H100" in md
+
+
 def test_provenance_names_the_bundle_compiler_without_one_installed(tmp_path, monkeypatch):
     """On a GPU host that runs the offline bundle (no CuTe DSL compiler), `provenance()` records the
     nvidia-cutlass-dsl version that compiled the bundle's kernels, from its manifest, marked '(aot)'."""
