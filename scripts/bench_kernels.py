@@ -104,10 +104,12 @@ def bench_gemv(rows, m_list, replays):
                 "cute_gemv": [lambda w=w: G.gemv(x, w, out=out) for w in ws],
                 "torch.mm": [lambda w=w: torch.mm(x, w.T, out=out_t) for w in ws],
             }
-            if m > 1 and (m <= 8 or (k, n) in G.MMA_SHAPES_64):  # the tensor-core GEMV (GemvKey.mma, at its built
-                # shapes), checked against the fp32 reference before it is timed
-                check_mma_gemv(x, ws[0], out_c)
-                impls["cute_gemv_mma"] = [lambda w=w: G.gemv(x, w, out=out_c, mma=True) for w in ws]
+            for loop in (False, True):  # the tensor-core GEMV (GemvKey.mma) in each form built at this shape,
+                # checked against the fp32 reference before it is timed
+                if m > 1 and G.mma_built(k, n, G.pick_m_tile(m, mma=True), loop):
+                    check_mma_gemv(x, ws[0], out_c, loop)
+                    impls["cute_gemv_mma_loop" if loop else "cute_gemv_mma"] = [
+                        lambda w=w, loop=loop: G.gemv(x, w, out=out_c, mma=True, mma_loop=loop) for w in ws]
             for impl, launches in impls.items():
                 med, p10, p90 = summarize(time_graph(launches, replays))
                 moved = wbytes + m * k * 2 + m * n * 2
@@ -119,22 +121,23 @@ def bench_gemv(rows, m_list, replays):
             # correctness spot check in the same run: each CuTe GEMV's output against torch.mm's
             G.gemv(x, ws[0], out=out)
             torch.mm(x, ws[0].T, out=out_t)
-            if "cute_gemv_mma" in impls:
-                G.gemv(x, ws[0], out=out_c, mma=True)
             torch.cuda.synchronize()
-            diff = (out.float() - out_t.float()).abs().max().item()
+            diff = {"cute_gemv": (out.float() - out_t.float()).abs().max().item()}
+            for loop in [lp for lp in (False, True) if ("cute_gemv_mma_loop" if lp else "cute_gemv_mma") in impls]:
+                G.gemv(x, ws[0], out=out_c, mma=True, mma_loop=loop)
+                torch.cuda.synchronize()
+                diff["cute_gemv_mma_loop" if loop else "cute_gemv_mma"] = (out_c.float() - out_t.float()).abs().max().item()
             for r in rows[-len(impls):]:
-                r["max_abs_diff_vs_torch"] = ((out_c.float() - out_t.float()).abs().max().item()
-                                              if r["impl"] == "cute_gemv_mma" else diff)
+                r["max_abs_diff_vs_torch"] = diff.get(r["impl"], diff["cute_gemv"])
         del ws
         torch.cuda.empty_cache()
 
 
-def check_mma_gemv(x, w, out):
+def check_mma_gemv(x, w, out, loop: bool = False):
     """NaN-poison `out`, run the tensor-core GEMV once, and require every element written and within twice the
     error of a bf16 torch.mm against the fp32 reference (the rule of tests/test_kernels_gemv.py)."""
     out.fill_(float("nan"))
-    G.gemv(x, w, out=out, mma=True)
+    G.gemv(x, w, out=out, mma=True, mma_loop=loop)
     ref = x.float() @ w.float().T
     torch.cuda.synchronize()
     if not torch.isfinite(out).all():

@@ -39,6 +39,8 @@ def test_batch_outside_support_is_refused(m):
     (dict(out_fp32=True), "no epilogue options"),
     (dict(n=200), "multiple of rows=16"),
     (dict(k=3584 + 32), "multiple of 32 x warps=4"),
+    (dict(k=3584 + 128, mma_loop=True), "multiple of 32 x warps=8"),
+    (dict(mma=False, mma_loop=True), "option of the tensor-core GEMV"),
 ])
 def test_mma_key_refuses_what_the_tensor_core_gemv_cannot_do(kw, match):
     base = dict(n=224, k=3584, m_tile=8, mma=True)
@@ -50,11 +52,14 @@ def test_mma_tiling_and_m_tiles():
     assert G.GemvKey(n=224, k=3584, m_tile=8, mma=True).rows == 16
     assert G.GemvKey(n=224, k=3584, m_tile=64, mma=True).rows == 32  # two m16 tiles share each token's x
     assert [G.pick_m_tile(m, mma=True) for m in (1, 8, 9, 64)] == [8, 8, 64, 64]
-    keys = G.aot_keys("sm_90a")
     for k, n in G.DECODE_SHAPES + [G.TEST_SHAPE_MMA]:
-        assert G.GemvKey(n=n, k=k, m_tile=8, mma=True) in keys
+        assert G.mma_built(k, n, 8, loop=True)
     for k, n in G.MMA_SHAPES_64 + [G.TEST_SHAPE_MMA]:
-        assert G.GemvKey(n=n, k=k, m_tile=64, mma=True) in keys
+        assert G.mma_built(k, n, 64, loop=True)
+    for k, n in G.MMA_UNROLLED_SHAPES + [G.TEST_SHAPE_MMA]:
+        assert G.mma_built(k, n, 8, loop=False)
+    assert G.mma_built(*G.TEST_SHAPE_MMA, 64, loop=False) and not G.mma_built(7168, 3584, 8, loop=False)
+    assert G.GemvKey(n=224, k=3328, m_tile=8, mma=True, mma_loop=True).warps == 8
 
 
 def test_mma_gemv_refuses_unsupported_options_before_launch():
@@ -63,16 +68,20 @@ def test_mma_gemv_refuses_unsupported_options_before_launch():
         G.gemv(x, torch.zeros(224, 3584, dtype=torch.bfloat16), mma=True)
 
 
+@pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("m_tile", G.MMA_AOT_M_TILES)
-def test_mma_gemv_compiles_to_tensor_core_steps_without_spills(compiler, m_tile):
+def test_mma_gemv_compiles_to_tensor_core_steps_without_spills(compiler, m_tile, loop):
     import kimi_decode.compile as kc
 
     k, n = G.TEST_SHAPE_MMA
-    key = G.GemvKey(n=n, k=k, m_tile=m_tile, mma=True, arch="sm_90a")
+    key = G.GemvKey(n=n, k=k, m_tile=m_tile, mma=True, mma_loop=loop, arch="sm_90a")
     ptx = kc.ptx_text(key)
     tiles = (key.rows // 16) * (m_tile // 8)
     # two mma.sync per 32-wide block of K, per (m16, n8) tile; every block of the warp's share unrolled
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * tiles * (k // 32 // key.warps)
+    blocks = k // 32 // key.warps
+    if loop:  # one round of the ring in the loop's body, the last partial round after it
+        blocks = key.unroll + blocks % key.unroll
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * tiles * blocks
     assert kc.resource_usage(key)["LOCAL"] == 0
 
 
@@ -233,13 +242,15 @@ def test_gemv_cuda_graph_capture_and_replay(m):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("k,n", [G.TEST_SHAPE_MMA, (7168, 2112)])
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 33, 64])
-def test_gemv_mma_matches_reference(m, k, n):
-    """The tensor-core GEMV against the fp32 reference, NaN-poisoned output, fresh inputs per shape."""
-    x, w = _inputs(m, k, n, seed=31 + m + k)
+@pytest.mark.parametrize("m,k,n,loop", [  # every token count at the test shape, both forms; a decode shape where built
+    (m, k, n, loop) for (k, n) in (G.TEST_SHAPE_MMA, (7168, 12288)) for m in (1, 5, 8, 9, 33, 64) for loop in (False, True)
+    if G.mma_built(k, n, G.pick_m_tile(m, mma=True), loop)])
+def test_gemv_mma_matches_reference(m, k, n, loop):
+    """The tensor-core GEMV (unrolled, and as a loop over a register ring) against the fp32 reference,
+    NaN-poisoned output, fresh inputs per shape."""
+    x, w = _inputs(m, k, n, seed=31 + m + k + loop)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    G.gemv(x, w, out=out, mma=True)
+    G.gemv(x, w, out=out, mma=True, mma_loop=loop)
     torch.cuda.synchronize()
     _assert_close(out, x, w)
 

@@ -69,11 +69,17 @@ class GemvKey:
     # tensor cores instead of CUDA-core FMAs (`gemv_partials_mma`): m_tile in MMA_M_TILES, rows a multiple of 16,
     # K a multiple of 32 per warp; the weights are still read once per m_tile tokens
     mma: bool = False
+    # (with mma) the K loop as a runtime loop that keeps `unroll` blocks of loads in flight in a register ring,
+    # refilled after each block's mma: ptxas cannot sink those loads to their use as it does in the unrolled form
+    # (run 72: about two blocks in flight whatever the unroll)
+    mma_loop: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
         if self.k % VEC:
             raise ValueError(f"K={self.k} must be a multiple of {VEC} (128-bit loads)")
+        if self.mma_loop and not self.mma:
+            raise ValueError("mma_loop is an option of the tensor-core GEMV (mma=True)")
         if self.mma:
             self._check_mma()
             return
@@ -93,7 +99,7 @@ class GemvKey:
             raise ValueError(f"the tensor-core GEMV takes m_tile in {MMA_M_TILES}, got {self.m_tile}")
         if self.out_fp32 or self.gate or self.residual:
             raise ValueError("the tensor-core GEMV has no epilogue options (gate, residual, out_fp32) yet")
-        rows, warps, unroll = mma_tiling(self.m_tile)
+        rows, warps, unroll = mma_tiling(self.m_tile, self.mma_loop)
         for name, value in (("rows", rows), ("warps", warps), ("unroll", unroll)):
             if getattr(self, name) == 0:
                 object.__setattr__(self, name, value)
@@ -106,10 +112,14 @@ class GemvKey:
                              f"(each warp takes whole {MMA_K_BLOCK}-wide blocks of K)")
 
 
-def mma_tiling(m_tile: int) -> tuple[int, int, int]:
+def mma_tiling(m_tile: int, loop: bool = False) -> tuple[int, int, int]:
     """(rows, warps, unroll) of the tensor-core GEMV: 16 rows (two m16 tiles from 32 tokens on, so that each
     token's x, read from L2 by every CTA, serves twice the rows), 4 warps splitting K, and 4 steps of loads in
-    flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). Not tuned on a GPU yet."""
+    flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). With `loop` (`GemvKey.mma_loop`) up to 16
+    tokens: 8 warps and 8 blocks in flight a warp (64 KB of weights a CTA), since run 72 put the unrolled form's
+    loss at small N on the bytes in flight (one CTA an SM at 8 × 7168 × 2112)."""
+    if loop and m_tile <= 16:
+        return (16, 8, 8)
     return (16, 4, 4) if m_tile <= 16 else (32, 4, 2)
 
 
@@ -290,7 +300,8 @@ def _make_partials_mma():
 
     @cute.jit
     def partials(mW: cute.Tensor, mX: cute.Tensor, buf: cute.Tensor, row0, m0, K: Constexpr, MT: Constexpr,
-                 R: Constexpr, WARPS: Constexpr, U: Constexpr, wait: Constexpr, after_wait: Constexpr = None):
+                 R: Constexpr, WARPS: Constexpr, U: Constexpr, wait: Constexpr, after_wait: Constexpr = None,
+                 LOOP: Constexpr = False):
         mma = mma_bf16()
         NB = K // MMA_K_BLOCK
         PER_WARP = NB // WARPS
@@ -320,7 +331,83 @@ def _make_partials_mma():
         toks = []
         for t in cutlass.range_constexpr(NT):
             toks.append(cutlass.min(m0 + 8 * t + g, M - 1))  # tokens past M compute garbage that is never stored
-        for gi in cutlass.range_constexpr(GROUPS):
+        def block_mma(wv, xv):
+            """the block's two mma.sync per (m16, n8) tile: wv[r] the 4 words of row r, xv[t] of token tile t"""
+            for h in cutlass.range_constexpr(2):  # words (0, 1), then (2, 3)
+                for rt in cutlass.range_constexpr(RT):
+                    lo, hi = wv[2 * rt], wv[2 * rt + 1]
+                    a = [lo[2 * h], hi[2 * h], lo[2 * h + 1], hi[2 * h + 1]]
+                    for t in cutlass.range_constexpr(NT):
+                        b = [xv[t][2 * h], xv[t][2 * h + 1]]
+                        o = (rt * NT + t) * 4
+                        d = mma(a, b, [acc[o], acc[o + 1], acc[o + 2], acc[o + 3]])
+                        for q in cutlass.range_constexpr(4):
+                            acc[o + q] = d[q]
+
+        if const_expr(LOOP):
+            # a ring of U blocks in registers (static slots): the prologue fills it, each block's mma is followed
+            # by the load of the block U further on, so U blocks are in flight across the loop's back edge
+            WS = 2 * RT * 4
+            XS = NT * 4
+            wring = cute.make_rmem_tensor((U * WS,), Int32)
+            xring = cute.make_rmem_tensor((U * XS,), Int32)
+
+            def load_w(slot, step):
+                kv = (warp + step * WARPS) * 4 + c
+                for r in cutlass.range_constexpr(2 * RT):
+                    v = gW[(None, (rows[r], kv))].load()
+                    for q in cutlass.range_constexpr(4):
+                        wring[slot * WS + r * 4 + q] = v[q]
+
+            def load_x(slot, step):
+                kv = (warp + step * WARPS) * 4 + c
+                for t in cutlass.range_constexpr(NT):
+                    v = gX[(None, (toks[t], kv))].load()
+                    for q in cutlass.range_constexpr(4):
+                        xring[slot * XS + t * 4 + q] = v[q]
+
+            def use(slot):
+                wv = [[wring[slot * WS + r * 4 + q] for q in range(4)] for r in range(2 * RT)]
+                xv = [[xring[slot * XS + t * 4 + q] for q in range(4)] for t in range(NT)]
+                block_mma(wv, xv)
+
+            FIRST = min(U, PER_WARP)
+            for u in cutlass.range_constexpr(FIRST):
+                load_w(u, u)
+            if const_expr(wait):
+                cute.arch.griddepcontrol_wait()
+                if const_expr(after_wait is not None):
+                    pre = after_wait()
+            for u in cutlass.range_constexpr(FIRST):
+                load_x(u, u)
+            for it in cutlass.range(PER_WARP // U, unroll=1):  # (no helpers in here: the DSL stages no closures)
+                for u in cutlass.range_constexpr(U):
+                    for h in cutlass.range_constexpr(2):
+                        for rt in cutlass.range_constexpr(RT):
+                            wl = u * WS + 2 * rt * 4
+                            wh = wl + 4
+                            a = [wring[wl + 2 * h], wring[wh + 2 * h], wring[wl + 2 * h + 1], wring[wh + 2 * h + 1]]
+                            for t in cutlass.range_constexpr(NT):
+                                xb = u * XS + t * 4
+                                b = [xring[xb + 2 * h], xring[xb + 2 * h + 1]]
+                                o = (rt * NT + t) * 4
+                                d = mma(a, b, [acc[o], acc[o + 1], acc[o + 2], acc[o + 3]])
+                                for q in cutlass.range_constexpr(4):
+                                    acc[o + q] = d[q]
+                    nxt = (it + 1) * U + u
+                    if nxt < PER_WARP:
+                        kv = (warp + nxt * WARPS) * 4 + c
+                        for r in cutlass.range_constexpr(2 * RT):
+                            v = gW[(None, (rows[r], kv))].load()
+                            for q in cutlass.range_constexpr(4):
+                                wring[u * WS + r * 4 + q] = v[q]
+                        for t in cutlass.range_constexpr(NT):
+                            v = gX[(None, (toks[t], kv))].load()
+                            for q in cutlass.range_constexpr(4):
+                                xring[u * XS + t * 4 + q] = v[q]
+            for u in cutlass.range_constexpr(PER_WARP % U):  # the blocks the last full round loaded
+                use(u)
+        for gi in cutlass.range_constexpr(0 if LOOP else GROUPS):
             ws = []
             kvs = []
             for u in cutlass.range_constexpr(U):
@@ -343,16 +430,7 @@ def _make_partials_mma():
                     xr.append(gX[(None, (toks[t], kvs[u]))].load())
                 xs.append(xr)
             for u in cutlass.range_constexpr(len(kvs)):
-                for h in cutlass.range_constexpr(2):  # words (0, 1), then (2, 3)
-                    for rt in cutlass.range_constexpr(RT):
-                        lo, hi = ws[u][2 * rt], ws[u][2 * rt + 1]
-                        a = [lo[2 * h], hi[2 * h], lo[2 * h + 1], hi[2 * h + 1]]
-                        for t in cutlass.range_constexpr(NT):
-                            b = [xs[u][t][2 * h], xs[u][t][2 * h + 1]]
-                            o = (rt * NT + t) * 4
-                            d = mma(a, b, [acc[o], acc[o + 1], acc[o + 2], acc[o + 3]])
-                            for q in cutlass.range_constexpr(4):
-                                acc[o + q] = d[q]
+                block_mma(ws[u], xs[u])
         # c0 c1: row g, tokens 2c, 2c + 1 of the n8 tile; c2 c3: row g + 8, the same tokens
         for rt in cutlass.range_constexpr(RT):
             for t in cutlass.range_constexpr(NT):
@@ -390,7 +468,7 @@ def build(key: GemvKey):
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
         if const_expr(MMA):
-            gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, False)
+            gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, False, None, key.mma_loop)
         else:
             gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
         for j in cutlass.range_constexpr(-(-RM // THREADS)):  # one thread per (row, token) of the tile
@@ -432,10 +510,12 @@ def build(key: GemvKey):
 
 
 TEST_SHAPE = (7160, 200)  # (K, N): a partial last chunk and uneven K split, for the GPU tests
-# (K, N) for the tensor-core GEMV's GPU tests: 29 blocks of K a warp, so the last group of loads is partial
-TEST_SHAPE_MMA = (3712, 224)
+# (K, N) for the tensor-core GEMV's GPU tests: 26 blocks of K a warp at 4 warps and 13 at 8, so that the last group
+# of loads (the unrolled form's, unroll 4) and the last round of the ring (the loop's, 8) are partial
+TEST_SHAPE_MMA = (3328, 224)
 MMA_AOT_M_TILES = (8, 64)
-MMA_SHAPES_64 = [(7168, 2112), (7168, 12288)]  # (K, N) of the 64-token tensor-core builds
+MMA_SHAPES_64 = [(7168, 12288)]  # (K, N) of the 64-token tensor-core builds
+MMA_UNROLLED_SHAPES = [(7168, 2112), (7168, 12288)]  # (K, N) of the unrolled form's 8-token builds
 
 # Decode shapes of one TP8 rank (M×K×N of `gpu_facts.md`), compiled ahead of time.
 DECODE_SHAPES = [  # (K, N)
@@ -457,11 +537,20 @@ def aot_keys(arch: str) -> list[GemvKey]:
         keys.append(GemvKey(n=3584, k=7168, m_tile=mt, gate=True, arch=arch))
         keys.append(GemvKey(n=896, k=7168, m_tile=mt, out_fp32=True, arch=arch))  # router: 896 experts
         keys.append(GemvKey(n=TEST_SHAPE[1], k=TEST_SHAPE[0], m_tile=mt, arch=arch))
-    # the tensor-core GEMV (plain: no epilogue options yet): 8 tokens at every decode shape, 64 at a few (its K loop
-    # is unrolled, 185 KB of code a build at K = 7168, and the offline bundle must fit the device call)
-    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, arch=arch) for k, n in DECODE_SHAPES + [TEST_SHAPE_MMA]]
-    keys += [GemvKey(n=n, k=k, m_tile=64, mma=True, arch=arch) for k, n in MMA_SHAPES_64 + [TEST_SHAPE_MMA]]
+    # the tensor-core GEMV (plain: no epilogue options yet; the offline bundle must fit the device call): the loop
+    # form at 8 tokens at every decode shape and at 64 at MMA_SHAPES_64; the unrolled form of run 72 (185 KB of code
+    # a build at 64 tokens and K = 7168) at 8 tokens at MMA_UNROLLED_SHAPES, for a comparison in the same run
+    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, mma_loop=True, arch=arch) for k, n in DECODE_SHAPES + [TEST_SHAPE_MMA]]
+    keys += [GemvKey(n=n, k=k, m_tile=64, mma=True, mma_loop=True, arch=arch)
+             for k, n in MMA_SHAPES_64 + [TEST_SHAPE_MMA]]
+    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, arch=arch) for k, n in MMA_UNROLLED_SHAPES + [TEST_SHAPE_MMA]]
+    keys.append(GemvKey(n=TEST_SHAPE_MMA[1], k=TEST_SHAPE_MMA[0], m_tile=64, mma=True, arch=arch))
     return keys
+
+
+def mma_built(k: int, n: int, m_tile: int, loop: bool, arch: str = "sm_90a") -> bool:
+    """Whether the tensor-core GEMV of this shape and form is among the kernels built ahead of time."""
+    return GemvKey(n=n, k=k, m_tile=m_tile, mma=True, mma_loop=loop, arch=arch) in aot_keys(arch)
 
 
 TUNING_SHAPES = [(7168, 2112), (7168, 12288)]  # (K, N)
@@ -524,6 +613,7 @@ def gemv(
     out_fp32: bool = False,
     out: torch.Tensor | None = None,
     mma: bool = False,
+    mma_loop: bool = False,
     arch: str | None = None,
 ) -> torch.Tensor:
     """out = epi(x @ weight.T) for x [M, K] bf16 (M = 1..64), weight [N, K] bf16, on one CUDA device.
@@ -532,6 +622,8 @@ def gemv(
     out_fp32: fp32 output (router). `out` may be given (NaN-poisoned in tests).
     mma: on tensor cores (`GemvKey.mma`; no gate, residual or fp32 output; N a multiple of 16, of 32 above
     8 tokens; K a multiple of 128), which reads the weights once per 64 tokens instead of once per 8.
+    mma_loop: with mma, its K loop as a runtime loop over a ring of blocks in registers (`GemvKey.mma_loop`; K a
+    multiple of 256 up to 8 tokens).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("x and weight must be torch tensors")
@@ -563,6 +655,7 @@ def gemv(
         residual=residual is not None,
         out_fp32=out_fp32,
         mma=mma,
+        mma_loop=mma_loop,
         arch=kc.resolve_arch(arch),
     )
     fn = kc.load(key)
