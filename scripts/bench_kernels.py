@@ -126,7 +126,8 @@ def bench_gemv(rows, m_list, replays):
             for loop in [lp for lp in (False, True) if ("cute_gemv_mma_loop" if lp else "cute_gemv_mma") in impls]:
                 G.gemv(x, ws[0], out=out_c, mma=True, mma_loop=loop)
                 torch.cuda.synchronize()
-                diff["cute_gemv_mma_loop" if loop else "cute_gemv_mma"] = (out_c.float() - out_t.float()).abs().max().item()
+                name = "cute_gemv_mma_loop" if loop else "cute_gemv_mma"
+                diff[name] = (out_c.float() - out_t.float()).abs().max().item()
             for r in rows[-len(impls):]:
                 r["max_abs_diff_vs_torch"] = diff.get(r["impl"], diff["cute_gemv"])
         del ws

@@ -243,7 +243,8 @@ def test_gemv_cuda_graph_capture_and_replay(m):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m,k,n,loop", [  # every token count at the test shape, both forms; a decode shape where built
-    (m, k, n, loop) for (k, n) in (G.TEST_SHAPE_MMA, (7168, 12288)) for m in (1, 5, 8, 9, 33, 64) for loop in (False, True)
+    (m, k, n, loop) for (k, n) in (G.TEST_SHAPE_MMA, (7168, 12288)) for m in (1, 5, 8, 9, 33, 64)
+    for loop in (False, True)
     if G.mma_built(k, n, G.pick_m_tile(m, mma=True), loop)])
 def test_gemv_mma_matches_reference(m, k, n, loop):
     """The tensor-core GEMV (unrolled, and as a loop over a register ring) against the fp32 reference,

@@ -115,9 +115,10 @@ class GemvKey:
 def mma_tiling(m_tile: int, loop: bool = False) -> tuple[int, int, int]:
     """(rows, warps, unroll) of the tensor-core GEMV: 16 rows (two m16 tiles from 32 tokens on, so that each
     token's x, read from L2 by every CTA, serves twice the rows), 4 warps splitting K, and 4 steps of loads in
-    flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). With `loop` (`GemvKey.mma_loop`) up to 16
-    tokens: 8 warps and 8 blocks in flight a warp (64 KB of weights a CTA), since run 72 put the unrolled form's
-    loss at small N on the bytes in flight (one CTA an SM at 8 × 7168 × 2112)."""
+    flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). With `loop`
+    (`GemvKey.mma_loop`) up to 16 tokens: 8 warps and 8 blocks in flight a warp (64 KB of weights a CTA), since
+    run 72 put the unrolled form's loss at small N on the bytes in flight (one CTA an SM at 8 × 7168 × 2112);
+    run 73 measured it within 1% of torch.mm or below at 8 tokens on five of six decode shapes."""
     if loop and m_tile <= 16:
         return (16, 8, 8)
     return (16, 4, 4) if m_tile <= 16 else (32, 4, 2)
@@ -274,7 +275,7 @@ _PARTIALS_MMA = None
 def gemv_partials_mma():
     """The tensor-core form of `gemv_partials` (`@cute.jit`, inlined where called):
 
-        pre = gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, wait, after_wait)
+        pre = gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, wait, after_wait, LOOP)
 
     leaves the partials token-major, buf[warp, mi * R + r] = Σ over the warp's part of K of W[row0 + r] ·
     x[m0 + mi] (so that the threads of an epilogue store consecutive rows of one token's output), with the same
@@ -284,7 +285,9 @@ def gemv_partials_mma():
     K is free of order as long as A and B agree, so those four words are the lane's A and B fragments as they
     are (`ptx_ops`: a0a1 a2a3 a4a5 a6a7 = words 0 and 1 of rows g, g + 8 for the first mma.sync m16n8k16, words
     2 and 3 for the second; b0b1 b2b3 = words 0, 1 and 2, 3 of token g): no shuffle, no conversion, and x needs
-    no staging. MT must be a multiple of 8 and R of 16; K a multiple of 32·WARPS (`GemvKey` checks)."""
+    no staging. MT must be a multiple of 8 and R of 16; K a multiple of 32·WARPS (`GemvKey` checks). Unrolled
+    (LOOP False), ptxas sinks each block's loads to its mma (about two blocks in flight, run 72); with LOOP the K
+    loop is a runtime loop over a ring of U blocks in registers, refilled after each block's mma (`mma_loop`)."""
     global _PARTIALS_MMA
     if _PARTIALS_MMA is None:
         _PARTIALS_MMA = _make_partials_mma()
@@ -315,8 +318,10 @@ def _make_partials_mma():
         c = lane - 4 * g
         M = mX.shape[0]
         N = mW.shape[0]
-        w32 = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=Int32), cute.make_layout((N, WORDS), stride=(WORDS, 1)))
-        x32 = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32), cute.make_layout((M, WORDS), stride=(WORDS, 1)))
+        w32 = cute.make_tensor(cute.recast_ptr(mW.iterator, dtype=Int32),
+                               cute.make_layout((N, WORDS), stride=(WORDS, 1)))
+        x32 = cute.make_tensor(cute.recast_ptr(mX.iterator, dtype=Int32),
+                               cute.make_layout((M, WORDS), stride=(WORDS, 1)))
         gW = cute.zipped_divide(w32, (1, 4))  # ((1, 4), (N, K / 8)): 16 bytes of a row
         gX = cute.zipped_divide(x32, (1, 4))
         assert not wait or GROUPS > 0, "wait needs at least one block of K per warp"
@@ -331,6 +336,7 @@ def _make_partials_mma():
         toks = []
         for t in cutlass.range_constexpr(NT):
             toks.append(cutlass.min(m0 + 8 * t + g, M - 1))  # tokens past M compute garbage that is never stored
+
         def block_mma(wv, xv):
             """the block's two mma.sync per (m16, n8) tile: wv[r] the 4 words of row r, xv[t] of token tile t"""
             for h in cutlass.range_constexpr(2):  # words (0, 1), then (2, 3)
@@ -540,7 +546,8 @@ def aot_keys(arch: str) -> list[GemvKey]:
     # the tensor-core GEMV (plain: no epilogue options yet; the offline bundle must fit the device call): the loop
     # form at 8 tokens at every decode shape and at 64 at MMA_SHAPES_64; the unrolled form of run 72 (185 KB of code
     # a build at 64 tokens and K = 7168) at 8 tokens at MMA_UNROLLED_SHAPES, for a comparison in the same run
-    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, mma_loop=True, arch=arch) for k, n in DECODE_SHAPES + [TEST_SHAPE_MMA]]
+    keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, mma_loop=True, arch=arch)
+             for k, n in DECODE_SHAPES + [TEST_SHAPE_MMA]]
     keys += [GemvKey(n=n, k=k, m_tile=64, mma=True, mma_loop=True, arch=arch)
              for k, n in MMA_SHAPES_64 + [TEST_SHAPE_MMA]]
     keys += [GemvKey(n=n, k=k, m_tile=8, mma=True, arch=arch) for k, n in MMA_UNROLLED_SHAPES + [TEST_SHAPE_MMA]]
