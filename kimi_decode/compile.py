@@ -476,6 +476,17 @@ _memory: dict[Any, Any] = {}
 _lock = threading.Lock()
 
 
+def require_available(keys, where: str) -> None:
+    """Refuse (KernelUnavailable), before any launch, a set of keys of which some can be neither compiled here
+    nor found among the ahead-of-time artifacts; `where` says how to build them (e.g. `bundle --tuning`)."""
+    if compiler_available():
+        return
+    missing = [k for k in keys if find_artifact(k) is None]
+    if missing:
+        raise KernelUnavailable(f"{len(missing)} of {len(keys)} kernels are not among the ahead-of-time artifacts "
+                                f"in {[str(d) for d in artifact_dirs()]} (first: {key_json(missing[0])}); {where}")
+
+
 def load(key):
     """The callable for `key`: memory, then JIT (disk cache), then ahead-of-time artifacts."""
     fn = _memory.get(key)

@@ -146,7 +146,9 @@ class FusedMoE:
         stages moe_down for one token and puts a smaller tail ring beside it, which streams W_up while moe_down
         runs ('tringco': that ring alone, after the usual moe_down); 'cand0' routes by the bitwise search alone (the kernels before run 43); 'mtfit0' runs
         the front and tail GEMVs at m_tile 8 from 2 tokens on (before run 49) instead of the smallest m_tile of
-        1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`); 'fpdl' launches the one-token front as a
+        1, 2, 4, 8 that holds the step (`kernels.moe.pick_m_tile`); 'mma0' keeps the front and tail GEMVs on CUDA
+        cores at m_tile 8 from 5 tokens on, where they run on tensor cores by default (`kernels.moe.MMA_MIN_TOKENS`,
+        m_tile 8 up to 8 tokens and 64 above); 'fpdl' launches the one-token front as a
         programmatic dependent too (its weight rows before the wait; the tail ring triggers at its start; needs pdl);
         'uflagN' (pipelined kernels, routing in the front) lets moe_up request N ring slots before its wait on a flag
         the front's routing sets and moe_down clears (run 68: both correct, no faster); 'merge' (pipelined kernels)
@@ -205,7 +207,6 @@ class FusedMoE:
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
             raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
-        mt = getattr(front_key, "m_tile", 1)  # the one-token ring front has no m_tile
         route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
         ring = N == 1 and route_kw.get("tail_ring", True)
@@ -228,7 +229,7 @@ class FusedMoE:
             raise ValueError("a tail ring geometry (tringRxS[cN]) cannot go with cotail or tringco, which fix theirs")
         tail_key = (cotail_key(shape, pdl=pdl, arch=arch) if co or co_ring
                     else tail_ring_key(shape, geometry, pdl=pdl, arch=arch, trigger=front_pdl) if ring
-                    else km.MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch))
+                    else km.tail_key_for(shape, N, pdl, route_kw, arch))
         if ring and geometry:
             tags.append("tring" + tail_key.geometry_tag)
         self.variant = "+".join([*tags, self.variant])

@@ -29,6 +29,7 @@ def run_mma_rate(keys: Iterable | None = None, outer: int | None = None, repeats
         raise RuntimeError("mma-rate measures a GPU's tensor cores and needs one (run it through the offline "
                            "bundle on the GPU host)")
     keys = list(keys) if keys is not None else km.rate_keys(kc.resolve_arch(None))
+    kc.require_available(keys, "the whole set is built by `kimi-decode bundle --tuning`")
     outer = km.MMA_RATE_OUTER if outer is None else int(outer)
     if outer < 1:
         raise ValueError(f"outer rounds must be at least 1, got {outer}")

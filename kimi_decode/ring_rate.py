@@ -35,6 +35,7 @@ def run_ring_rate(keys: Iterable | None = None, mb: float | None = None, copies:
     if not 1 <= copies <= 64 or mb <= 0:
         raise ValueError(f"copies must be 1..64 and mb positive, got copies={copies}, mb={mb}")
     keys = list(keys) if keys is not None else kr.rate_keys(kc.resolve_arch(None))
+    kc.require_available(keys, "the whole set is built by `kimi-decode bundle --tuning`")
     prov, copy_bw = provenance(), measure_copy_bandwidth()
     gen = torch.Generator(device="cuda").manual_seed(0)
     from tqdm.auto import tqdm

@@ -11,7 +11,7 @@
 # Run it inside the offline bundle when CuTe DSL kernels are involved:
 #   bash .bundle/run.sh bash scripts/gpu_evidence.sh "$OUT" env tests sweep-tp8 ...
 # Set KIMI_DECODE_GIT_COMMIT where the tree travels without .git. Stages that time the options of runs 17-41
-# (moe_pipe.HISTORY_VARIANTS) need a bundle built with `kimi-decode bundle --tuning`.
+# (moe_pipe.HISTORY_VARIANTS), ring-rate and mma-rate need a bundle built with `kimi-decode bundle --tuning`.
 set -u
 OUT=${1:?usage: gpu_evidence.sh OUTDIR STAGE[:SECONDS]...}; shift
 LOGS=${LOGS:-/tmp/kimi_decode_logs}
@@ -83,6 +83,8 @@ stage_cmd() {
     profile-shupi) echo "$KD profile --executor fused-moe@shupi2 --layer kda_moe --tp 8 --batch 1 --metrics stalls --source 'up_kernel'" ;;  # where moe_up's interleaved shared items spend their cycles (run 71's timeline: about 1 µs a shared item on the H100)
     moe-shfix) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'shup or shfront' && $KD moe --executors stock,fused,fused@shupi2,fused@shupi2-shfront512,fused@shupi2-shfront384,fused@shupi2-shfront256,fused@shupi3,fused@shup,fused --tps 8 --batches 1 --no-progress --out $M/moe_shfix_b1_${GT}_tp8.csv && $KD moe --breakdown --executors fused,fused@shupi2,fused@shupi2-shfront384 --tps 8 --batches 1 --no-progress --out $M/moe_breakdown_shfix_${GT}_tp8.csv && $KD moe --trace --executors fused@shupi2 --tps 8 --batches 1 --no-progress --out $M/moe_trace_shfix_${GT}_tp8.csv.xz && $KD moe --executors stock,fused,fused@upmax2-shupi2 --tps 8 --batches 2 --no-progress --out $M/moe_shfix_b2_${GT}_tp8.csv" ;;  # the shup builds with their branch kept (0936e3e): tests first, then timing, breakdown, timeline
     moe-shcombo) echo "$KD moe --executors stock,fused,fused@shupi2,fused@shupi2-tail2048-l2h,fused@shupi3-tail2048-l2h,fused@tail2048-l2h,fused --tps 8 --batches 1 --no-progress --out $M/moe_shcombo_b1_${GT}_tp8.csv" ;;  # the shup fix with the tail's prefetch (both built by default), for the H200 where moe_down leaves bandwidth spare
+    moe-mma) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'tensor_core or matches_reference_tp' && $KD moe --executors stock,fused,fused@mma0 --tps 8 --batches 5,8,17,64 --no-progress --out $M/moe_mma_${GT}_tp8.csv && $KD moe --breakdown --executors fused,fused@mma0 --tps 8 --batches 8,64 --no-progress --out $M/moe_breakdown_mma_${GT}_tp8.csv" ;;  # the front and tail GEMVs on tensor cores from 5 tokens (the default) against the CUDA-core ones ('mma0'): tests first, then timing and the per-launch breakdown
+    moe-mma-tp16) echo "$KD moe --executors stock,fused,fused@mma0 --tps 16 --batches 8,64 --no-progress --out $M/moe_mma_${GT}_tp16.csv" ;;
     gemv-mma) echo "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py -k 'mma' && $PY scripts/bench_kernels.py --only gemv --m 1 8 64 --replays 50 --out /tmp/kd_gemv_mma && cp /tmp/kd_gemv_mma/kernels_gemv.csv $M/kernels_gemv_mma_${GT}.csv" ;;  # the tensor-core GEMV (GemvKey.mma) beside the CUDA-core one and torch.mm at 1, 8 and 64 tokens
     moe-run69-tiny) echo "$KD moe --executors fused,fused@tail3584-l2h,fused@merge,fused@tail2048-l2h,fused@merge-tail3584-l2h --tps 8 --batches 1 --no-progress --out $M/moe_run69_tiny_${GT}_tp8.csv" ;;  # for a call of under 3 minutes
     moe-run69-tests) echo "$PY -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -k 'l2h or merged_expert_kernel or merged_steps_rearm or merged_expert_kernel_refuses'" ;;

@@ -853,6 +853,71 @@ def test_fitted_m_tile_option_parses_and_is_built_ahead_of_time():
         assert key in km.FRONT.aot_keys("sm_90a")
 
 
+def test_tensor_core_front_and_tail_from_five_tokens_are_built_ahead_of_time():
+    """From MMA_MIN_TOKENS tokens the front and tail GEMVs run on tensor cores: m_tile 8 up to 8 tokens, 64 above
+    (the front at 8 while it routes in its last router CTA); 'mma0' keeps the CUDA-core m_tile 8 and is named in the
+    variant; the routing ablations keep the CUDA-core front. Every key a step can ask for is built ahead of time."""
+    from kimi_decode.kernels import moe as km
+    assert km.split_front_options("mma0-run35") == (dict(tensor_cores=False), "run35")
+    assert km.split_front_options("mma") == (dict(tensor_cores=True), None)
+    fronts, tails = km.FRONT.aot_keys("sm_90a"), km.TAIL.aot_keys("sm_90a")
+    for tp in (8, 16):
+        s = km.shapes_for_tp(tp)
+        for m in (1, 2, 4, 5, 8, 9, 17, 64, 512):
+            for sep in (False, True):
+                key, tags = km.front_key_for(s, m, sep)
+                want = (8 if m <= 8 or not sep else 64) if m >= km.MMA_MIN_TOKENS else km.pick_m_tile(m)
+                assert (key.mma, key.m_tile, tags) == (m >= km.MMA_MIN_TOKENS, want, []), (tp, m, sep)
+                assert key in fronts, (tp, m, sep)
+                key, tags = km.front_key_for(s, m, sep, {"tensor_cores": False})
+                assert (key.mma, key.m_tile, tags) == (False, km.pick_m_tile(m), ["mma0"] if m >= 5 else []), m
+                assert key in fronts, (tp, m, sep)
+            for pdl in (True, False):
+                tail = km.tail_key_for(s, m, pdl)
+                assert (tail.mma, tail.m_tile) == ((True, 8 if m <= 8 else 64) if m >= 5 else (False, km.pick_m_tile(m)))
+                assert tail in tails and km.tail_key_for(s, m, pdl, {"tensor_cores": False}) in tails, (tp, m, pdl)
+    s = km.shapes_for_tp(8)
+    assert not km.front_key_for(s, 8, False, {"candidates": False})[0].mma
+    assert not km.front_key_for(s, 8, False, {}, route_flag=True)[0].mma
+    assert km.tail_key_for(s, 8, False, {"m_tile_fit": False, "tensor_cores": False}).m_tile == 8
+    assert km.tail_key_for(s, 3, False, {"m_tile_fit": False}).m_tile == 8
+
+
+@pytest.mark.parametrize("m_tile", [8, 64])
+def test_tensor_core_front_and_tail_compile_without_spills(compiler, m_tile):
+    """The tensor-core front (routing in it at 8 tokens) and tail (with and without PDL) compile for sm_90a with
+    mma.sync, no local memory; the routing front keeps its bitwise search, the PDL tail waits."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    s = km.shapes_for_tp(8)
+    front = km.front_key_for(s, m_tile, m_tile > 8)[0]
+    assert front.mma and front.m_tile == m_tile and front.route == (m_tile == 8)
+    for key in (front, km.tail_key_for(s, m_tile, True), km.tail_key_for(s, m_tile, False)):
+        ptx = kc.ptx_text(key)
+        assert "mma.sync.aligned.m16n8k16" in ptx, key
+        assert "ld.local" not in ptx and "st.local" not in ptx, key
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+        if isinstance(key, km.MoETailKey):
+            assert ("griddepcontrol.wait" in ptx) == key.pdl
+        else:
+            assert (ptx.count("redux.sync.add") >= 32) == front.route
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,tokens", [(5, 1), (8, 1), (17, 1), (64, 1), (8, 8)])
+def test_tensor_core_front_and_tail_match_the_reference_and_the_cuda_core_ones(w8, batch, tokens):
+    """The default (tensor cores from 5 tokens) and 'mma0' (the CUDA-core GEMVs) both give the reference, with the
+    routing in the front and as its own launch."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(batch * tokens, D, seed=230 + batch * tokens, device="cuda")
+    assert "mma0" not in FusedMoE(w8, x).variant and FusedMoE(w8, x, variant="mma0").variant.startswith("mma0+")
+    for variant in (None, "mma0"):
+        for sep in (False, True):
+            r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant, separate_routing=sep), w8, x)
+            assert r["all_written"] and r["check_ok"], (variant, sep, r)
+
+
 def test_front_key_for_picks_tiles_keys_and_occupancy():
     """One token with routing in the front kernel: the plain GEMV; 'fring' takes the ring front (`moe_front_ring`),
     'skeys' the routing keys in shared memory (FRONT_SKEYS_CTAS CTAs per SM), 'foccN' N CTAs per SM, and they are
@@ -870,9 +935,9 @@ def test_front_key_for_picks_tiles_keys_and_occupancy():
     assert (key.smem_keys, key.min_ctas, tags) == (False, 12, ["focc12"])
     key, tags = km.front_key_for(s, 1, True, {"smem_keys": True, "min_ctas": 10, "front_ring": True})
     assert (key.route, key.smem_keys, key.min_ctas, tags) == (False, False, 0, [])
-    for m, mt in ((2, 2), (3, 4), (4, 4), (5, 8), (9, 8)):
+    for m, mt in ((2, 2), (3, 4), (4, 4), (5, 8), (9, 64)):  # tensor cores from 5 tokens (64 with a routing launch)
         key, tags = km.front_key_for(s, m, m > 8, {"smem_keys": True, "min_ctas": 10, "front_ring": True})
-        assert (key.m_tile, key.smem_keys, key.min_ctas, tags) == (mt, False, 0, []), m
+        assert (key.m_tile, key.smem_keys, key.min_ctas, key.mma, tags) == (mt, False, 0, m >= 5, []), m
     key, tags = km.front_key_for(s, 2, False, {"m_tile_fit": False, "candidates": False})
     assert (key.m_tile, key.candidates, tags) == (8, False, ["cand0", "mtfit0"])
     built = km.FRONT.aot_keys("sm_90a") + FRONT_RING.aot_keys("sm_90a")

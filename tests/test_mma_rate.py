@@ -46,3 +46,17 @@ def test_rate_is_measured_on_the_gpu():
     df = run_mma_rate([km.MmaRateKey(8, 1), km.MmaRateKey(8, 2, True)], outer=8, repeats=2, progress=False)
     assert len(df) == 2 and (df.cycles_per_mma > 0.5).all() and (df.clock_GHz > 0.3).all()
     assert (df.clock_GHz < 3.0).all()
+
+
+def test_default_bundle_holds_the_gpu_tests_keys_and_the_runner_refuses_a_partial_set(monkeypatch):
+    """The default bundle builds the two configurations of the GPU test; the whole set needs `bundle --tuning`, and
+    without a compiler a run that lacks any of them is refused before a launch, saying so."""
+    from kimi_decode import compile as kc
+    smoke, full = km.smoke_keys("sm_90a"), km.rate_keys("sm_90a")
+    assert km.MMA_RATE.aot_keys("sm_90a") == smoke and set(smoke) <= set(full)
+    assert km.MMA_RATE.tuning_keys("sm_90a") == full
+    monkeypatch.setattr(kc, "compiler_available", lambda: False)
+    monkeypatch.setattr(kc, "find_artifact", lambda key: ("here", {}) if key in smoke else None)
+    kc.require_available(smoke, "unused")
+    with pytest.raises(kc.KernelUnavailable, match=r"13 of 15 kernels .*bundle --tuning"):
+        kc.require_available(full, "the whole set is built by `kimi-decode bundle --tuning`")

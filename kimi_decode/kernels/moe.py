@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import compile as kc
-from .gemv import CHUNK, VEC, default_tiling, gemv_partials, warp_sum
+from .gemv import CHUNK, VEC, default_tiling, gemv_partials, gemv_partials_mma, mma_tiling, warp_sum
 from .mxfp4_decode import MAX_E8M0, decode_word, scale_pair
 
 MAX_M = 512  # tokens in a step (batch 64 × 8 tokens per sequence)
@@ -91,7 +91,9 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     tail GEMVs at m_tile 8 for 2-8 tokens (`M8_TILES`, the kernels before run 49) / at the smallest m_tile of
     `M_TILES` that holds the step's tokens (2 at 2 tokens, 4 at 3-4; the default since run 49); fpdl: at one token
     the plain front as a programmatic dependent of the previous launch (its weight rows loaded before the wait,
-    `MoEFrontKey.pdl`), and the tail ring letting the next launch be scheduled at its start (`MoETailRingKey.trigger`)."""
+    `MoEFrontKey.pdl`), and the tail ring letting the next launch be scheduled at its start (`MoETailRingKey.trigger`);
+    mma0 / mma: the front and tail GEMVs from MMA_MIN_TOKENS tokens on CUDA cores at m_tile 8 (the kernels before
+    2026-12-07) / on tensor cores (the default; `MoEFrontKey.mma`, `MoETailKey.mma`, `tail_key_for`)."""
     import re
 
     if not variant:
@@ -112,6 +114,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["co_tail"] = m.group(1) != "0"
         elif m := re.fullmatch(r"fpdl([01]?)", tok):
             front["front_pdl"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"mma([01]?)", tok):
+            front["tensor_cores"] = m.group(1) != "0"
         elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
             front["co_tail_ring_only"] = True
         elif m := re.fullmatch(r"fring(\d+)x(\d+)(?:c(\d+))?", tok):  # ring front: R rows per slot, S slots, N CTAs/SM
@@ -164,6 +168,9 @@ class MoEFrontKey:
     # the router and latent-down rows, the up rows' outputs where the full GEMV puts them) and moe_up streams the
     # rest: a share of the shared bytes between the two launches. 0: none kept
     shared_keep: int = 0
+    # the GEMV on tensor cores (`gemv.gemv_partials_mma`, its register-ring loop): m_tile in MMA_TILES, the
+    # default from MMA_MIN_TOKENS tokens ('mma0': the CUDA-core GEMV at m_tile 8)
+    mma: bool = False
     arch: str = "sm_90a"
 
 
@@ -218,6 +225,7 @@ class MoETailKey:
     shape: MoEShape
     m_tile: int = 1
     pdl: bool = True
+    mma: bool = False  # the GEMV on tensor cores, as MoEFrontKey.mma
     arch: str = "sm_90a"
 
 
@@ -649,7 +657,14 @@ def build_front(key: MoEFrontKey):
     assert KEEP == 0 or (not key.shared_rows and 0 < KEEP < sh.shared), "shared_keep: a share of the shared rows"
     N, K, MT = (sh.ncat if key.shared_rows else sh.sh0 + 2 * KEEP), D, key.m_tile  # rows it computes
     NCAT = sh.ncat  # the weight's and the output's rows (the shared rows' outputs left unwritten without them)
-    R, WARPS, U = default_tiling(N, K, MT)
+    MMA = key.mma
+    if MMA:  # tensor cores: token-major partials, 8 warps a CTA at 8 tokens (their routing warps too), 4 at 64
+        assert MT in MMA_TILES, f"the tensor-core front takes m_tile in {MMA_TILES}"
+        assert key.shared_rows and not (key.pdl or key.smem_keys or key.min_ctas or key.route_flag), \
+            "the tensor-core front has none of the one-token options (shup, fpdl, skeys, foccN, uflag)"
+        R, WARPS, U = mma_tiling(MT, True)
+    else:
+        R, WARPS, U = default_tiling(N, K, MT)
     UP0 = sh.sh0 + KEEP  # ('shfrontK') the rows it computes from here on are the kept up rows, S - KEEP further on
     assert KEEP % R == 0, "shared_keep: whole CTAs of gate rows and of up rows"
     RM = R * MT
@@ -680,14 +695,25 @@ def build_front(key: MoEFrontKey):
         cnt, lst, wtot, kys = route_smem(smem, WARPS, SKEYS)
         flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
-        # ('fpdl') the weight rows are loaded before griddepcontrol.wait, x after it
-        gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, key.pdl)
-        if tid < RM:
-            r = tid // MT
-            mi = tid - r * MT
-            s = warp_sum()(buf, tid, WARPS)
-            if m0 + mi < M:
-                mO[m0 + mi, row0 + r] = s
+        if const_expr(MMA):
+            gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, False, None, True)
+            for j in cutlass.range_constexpr(-(-RM // THREADS)):  # token-major: a token's rows, thread by thread
+                e = tid + j * THREADS
+                if e < RM:
+                    mi = e // R
+                    r = e - mi * R
+                    s = warp_sum()(buf, e, WARPS)
+                    if m0 + mi < M:
+                        mO[m0 + mi, row0 + r] = s
+        else:
+            # ('fpdl') the weight rows are loaded before griddepcontrol.wait, x after it
+            gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, key.pdl)
+            if tid < RM:
+                r = tid // MT
+                mi = tid - r * MT
+                s = warp_sum()(buf, tid, WARPS)
+                if m0 + mi < M:
+                    mO[m0 + mi, row0 + r] = s
         if const_expr(ROUTE):
             if bx < ROUTER_CTAS:
                 cute.arch.fence_acq_rel_gpu()
@@ -1094,8 +1120,17 @@ def build_tail(key: MoETailKey):
 
     sh = key.shape
     N, K, MT, TP = D, L, key.m_tile, sh.tp
-    R, WARPS, U = default_tiling(N, K, MT)
+    MMA = key.mma
+    if MMA:
+        assert MT in MMA_TILES, f"the tensor-core tail takes m_tile in {MMA_TILES}"
+        R, WARPS, U = mma_tiling(MT, True)
+    else:
+        R, WARPS, U = default_tiling(N, K, MT)
     RM = R * MT
+    THREADS = 32 * WARPS
+    # the shared all-reduce reads issued with the GEMV's loads when each thread owns at most one output (TP
+    # registers); the 64-token tensor-core tail (16 outputs a thread) reads them in its epilogue
+    EARLY = RM <= THREADS
     EPS, PDL = sh.eps, key.pdl
 
     @cute.kernel
@@ -1111,9 +1146,17 @@ def build_tail(key: MoETailKey):
         # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
         # loads, at clamped indices; the owners of an output use them after the GEMV). With PDL it reads
         # moe_down's output, so it goes right after the wait, behind the first W_up loads.
+        def owned(e, rows, mt, token_major):  # (arguments, not captures: it is called inside a staged if)
+            """(row, token) of output e of the tile: token-major with tensor cores, row-major without"""
+            if const_expr(token_major):
+                mi = e // rows
+                return e - mi * rows, mi
+            r = e // mt
+            return r, e - r * mt
+
         tc = cutlass.min(tid, RM - 1)
-        rc = tc // MT
-        mc = cutlass.min(m0 + tc - rc * MT, M - 1)
+        rc, mic = owned(tc, R, MT, MMA)
+        mc = cutlass.min(m0 + mic, M - 1)
         cf = []
         for p_ in cutlass.range_constexpr(TP):
             cf.append(mCoef[p_])
@@ -1121,27 +1164,36 @@ def build_tail(key: MoETailKey):
         def shared_reads():
             return [mSh[p_, mc, row0 + rc] for p_ in range(TP)]
 
+        def partials(wait, after_wait):
+            if const_expr(MMA):
+                return gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, wait, after_wait, True)
+            return gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, wait, after_wait)
+
+        shv = None
         if const_expr(PDL):
-            shv = gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, True, shared_reads)
+            shv = partials(True, shared_reads if EARLY else None)
         else:
-            shv = shared_reads()
-            gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, False)
-        if tid < RM:
-            r = tid // MT
-            mi = tid - r * MT
-            s = warp_sum()(buf, tid, WARPS)
-            if m0 + mi < M:
-                s = s * cute.math.rsqrt(mSsq[m0 + mi] * Float32(1.0 / K) + Float32(EPS))
-                for p_ in cutlass.range_constexpr(TP):
-                    s = s + cf[p_] * shv[p_].to(Float32)
-                mO[m0 + mi, row0 + r] = s.to(BFloat16)
+            if const_expr(EARLY):
+                shv = shared_reads()
+            partials(False, None)
+        for j in cutlass.range_constexpr(-(-RM // THREADS)):
+            e = tid + j * THREADS
+            if e < RM:
+                r, mi = owned(e, R, MT, MMA)
+                s = warp_sum()(buf, e, WARPS)
+                if m0 + mi < M:
+                    s = s * cute.math.rsqrt(mSsq[m0 + mi] * Float32(1.0 / K) + Float32(EPS))
+                    for p_ in cutlass.range_constexpr(TP):
+                        sv = shv[p_] if const_expr(EARLY) else mSh[p_, m0 + mi, row0 + r]
+                        s = s + cf[p_] * sv.to(Float32)
+                    mO[m0 + mi, row0 + r] = s.to(BFloat16)
 
     @cute.jit
     def tail_host(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
                   mO: cute.Tensor, stream):
         M = mX.shape[0]
         tail_kernel(mW, mX, mSsq, mSh, mCoef, mO).launch(
-            grid=(N // R, cute.ceil_div(M, MT), 1), block=(32 * WARPS, 1, 1), smem=4 * WARPS * RM + 64,
+            grid=(N // R, cute.ceil_div(M, MT), 1), block=(THREADS, 1, 1), smem=4 * WARPS * RM + 64,
             stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
@@ -1164,9 +1216,33 @@ M_TILES = (1, 2, 4, 8)  # the front and tail GEMVs' token tiles: the smallest th
 M8_TILES = (1, 8)  # 'mtfit0': m_tile 8 from 2 tokens on (before run 49; run 48 measured both)
 
 
+# the front and tail GEMVs on tensor cores (`MoEFrontKey.mma`, `MoETailKey.mma`) from MMA_MIN_TOKENS tokens: m_tile 8
+# up to 8 tokens, 64 above (the front at 8 while it routes in its last router CTA); 'mma0' keeps the CUDA-core
+# GEMVs. Run 73 timed the tensor-core GEMV alone within 1% of torch.mm or below at 8 tokens (the CUDA-core one at
+# m_tile 8: 1.2-1.35x) and 6x faster than the CUDA-core one at 64 tokens
+MMA_TILES = (8, 64)
+MMA_MIN_TOKENS = 5
+
+
 def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
     """The front and tail GEMVs' m_tile for m tokens: the smallest of `tiles` >= m, else the largest."""
     return next((t for t in tiles if t >= m), tiles[-1])
+
+
+def _tensor_cores(m: int, options: dict) -> bool:
+    """Whether the front and tail GEMVs of an m-token step run on tensor cores (`MMA_MIN_TOKENS`, 'mma0')."""
+    return m >= MMA_MIN_TOKENS and options.get("tensor_cores", True)
+
+
+def tail_key_for(shape: MoEShape, m: int, pdl: bool, options: dict | None = None, arch: str = "sm_90a") -> "MoETailKey":
+    """The plain tail GEMV's key for a step of m tokens (`split_front_options`' 'mma0' and 'mtfit0' apply): on
+    tensor cores from MMA_MIN_TOKENS tokens (m_tile 8, or 64 above 8 tokens), else at the front's m_tile."""
+    o = options or {}
+    if _tensor_cores(m, o):
+        return MoETailKey(shape, m_tile=MMA_TILES[0] if m <= MMA_TILES[0] else MMA_TILES[-1], pdl=pdl, mma=True,
+                          arch=arch)
+    mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
+    return MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
 
 
 def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict | None = None,
@@ -1181,11 +1257,18 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     route_flag: the routing CTA sets meta[ROUTED_FLAG] for moe_up's 'uflag' (the plain front only; refused with
     separate routing or the ring front).
     shared_rows: False for moe_up's 'shup', which streams the shared experts' gate/up rows itself (the plain front
-    only); shared_keep ('shfrontK', with it): the first K shared columns' gate and up rows stay in the front."""
+    only); shared_keep ('shfrontK', with it): the first K shared columns' gate and up rows stay in the front.
+    From MMA_MIN_TOKENS tokens the GEMV runs on tensor cores (`MoEFrontKey.mma`; 'mma0': not) at m_tile 8, or 64
+    above 8 tokens with the routing as its own launch; 'cand0', 'uflag' and 'shup' keep the CUDA-core front."""
     o = options or {}
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     m8 = mt != pick_m_tile(m)
     cand = o.get("candidates", True)
+    # tensor cores from MMA_MIN_TOKENS tokens ('mma0': not), built for the default routing only: the routing
+    # ablations ('cand0', 'uflag') and moe_up's shared rows ('shup') keep the CUDA-core front, which has them
+    mma = _tensor_cores(m, o) and shared_rows and (separate_routing or (cand and not route_flag))
+    if mma:  # m_tile 64 above 8 tokens when the routing is its own launch; 8 while the front routes
+        mt = MMA_TILES[0] if m <= MMA_TILES[0] or not separate_routing else MMA_TILES[-1]
     one = mt == 1 and not separate_routing  # the routing front at one token: the ring and occupancy options apply
     sk = one and o.get("smem_keys", False)
     occ_default = FRONT_SKEYS_CTAS if sk else 0
@@ -1199,7 +1282,8 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
     ring_tag = "fring" + (ring_key.geometry_tag if ring_key is not None and geometry else "")
     pdl = one and not ring and o.get("front_pdl", False)
     tags = [tag for tag, on in (("cand0", not cand), (ring_tag, ring), ("skeys", sk), (f"focc{occ}", occ != occ_default),
-                                ("mtfit0", m8), ("fpdl", pdl)) if on]
+                                ("mtfit0", m8), ("fpdl", pdl),
+                                ("mma0", m >= MMA_MIN_TOKENS and not o.get("tensor_cores", True))) if on]
     if route_flag and (separate_routing or ring):
         raise ValueError("uflag: the routing flag is set by the plain front kernel's routing; it cannot go with the "
                          "routing as its own launch or the ring front (fring)")
@@ -1210,7 +1294,7 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
         return ring_key, tags
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, pdl=pdl, route_flag=route_flag,
-                      shared_rows=shared_rows, shared_keep=shared_keep, arch=arch)  # no routing: the default key
+                      shared_rows=shared_rows, shared_keep=shared_keep, mma=mma, arch=arch)  # no routing: the default key
     return key, tags
 
 
@@ -1262,6 +1346,13 @@ def aot_keys_for(kind: str):
                             key = front_key_for(s, m, sep, o, arch)[0]
                             if isinstance(key, MoEFrontKey) and key not in out:
                                 out.append(key)
+                # the tensor-core front: 8 tokens routing in it or not, 64 (routing as its own launch); and the
+                # CUDA-core one at m_tile 8 for 'mma0'
+                for m, sep in ((8, False), (8, True), (64, True)):
+                    for o in ({}, {"tensor_cores": False}):
+                        key = front_key_for(s, m, sep, o, arch)[0]
+                        if key not in out:
+                            out.append(key)
                 if tp == 8:  # 'uflag' at every m_tile, 'fpdl' at one token, and both
                     for m in (1, 2, 3, 8):
                         out.append(front_key_for(s, m, False, {}, arch, route_flag=True)[0])
@@ -1288,6 +1379,7 @@ def aot_keys_for(kind: str):
                                        arch=arch) for w, r, e, x in TUNE_DOWN for p in (True, False)]
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
+                out += [MoETailKey(s, m_tile=mt, pdl=p, mma=True, arch=arch) for mt in MMA_TILES for p in (True, False)]
         return out
     return keys
 
