@@ -242,7 +242,7 @@ def test_programmatic_dependent_launch_changes_nothing_but_timing(w8, tokens):
 @pytest.mark.parametrize("tokens", [2, 3, 4, 5])
 def test_fitted_m_tile_builds_match_the_reference(w8, tokens):
     """The front and tail GEMVs at m_tile 2 or 4 (the default since run 49) and at m_tile 8 ('mtfit0') both give
-    the reference; at 5 tokens both take m_tile 8, so 'mtfit0' changes nothing."""
+    the reference; at 5 tokens both take the tensor-core m_tile 8 (`MMA_MIN_TOKENS`), so 'mtfit0' changes nothing."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=190 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant="mtfit0").variant.startswith("mtfit0+") == (tokens <= 4)
@@ -1827,9 +1827,11 @@ def test_merge_parses_names_and_builds_one_launch(compiler):
     key = kp.MoEExpertsPipeKey(up, down)
     assert key in kp.EXPERTS_PIPE.aot_keys("sm_90a") and len(kp.EXPERTS_PIPE.aot_keys("sm_90a")) == \
         2 * len(kp.MERGE_VARIANTS) + 2  # with and without PDL; merge's 2 timeline builds
-    tail = kp.parse_pipe_variant("merge-tail2048")[1]
+    tail = kp.parse_pipe_variant("merge-tail2048")[1]  # run 69's other prefetch forms: built with --tuning only
     assert tail["prefetch_tail_rows"] == 2048 and kp.MoEExpertsPipeKey(
-        kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **tail)) in kp.EXPERTS_PIPE.aot_keys("sm_90a")
+        kp.MoEUpPipeKey(s, **up_kw), kp.MoEDownPipeKey(s, **tail)) in kp.EXPERTS_PIPE.tuning_keys("sm_90a")
+    assert not set(kp.EXPERTS_PIPE.tuning_keys("sm_90a")) & set(kp.EXPERTS_PIPE.aot_keys("sm_90a"))
+    assert len(kp.EXPERTS_PIPE.tuning_keys("sm_90a")) == 2 * len(kp.MERGE_HISTORY_VARIANTS)
     assert kp.MoEDownPipeKey(s, prefetch_tail_rows=2048) in kp.DOWN_PIPE.aot_keys("sm_90a")
     assert key.up_phase.merged_threads == down.threads == 32 * (16 + 1 + kp.FLUSH_WARPS)
     assert kp.experts_pipe_smem_bytes(key) == max(kp.up_pipe_smem_bytes(up), kp.down_pipe_smem_bytes(down))

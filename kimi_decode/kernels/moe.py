@@ -1143,9 +1143,6 @@ def build_tail(key: MoETailKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
-        # loads, at clamped indices; the owners of an output use them after the GEMV). With PDL it reads
-        # moe_down's output, so it goes right after the wait, behind the first W_up loads.
         def owned(e, rows, mt, token_major):  # (arguments, not captures: it is called inside a staged if)
             """(row, token) of output e of the tile: token-major with tensor cores, row-major without"""
             if const_expr(token_major):
@@ -1154,6 +1151,9 @@ def build_tail(key: MoETailKey):
             r = e // mt
             return r, e - r * mt
 
+        # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
+        # loads, at clamped indices; the owners of an output use them after the GEMV; EARLY). With PDL it reads
+        # moe_down's output, so it goes right after the wait, behind the first W_up loads.
         tc = cutlass.min(tid, RM - 1)
         rc, mic = owned(tc, R, MT, MMA)
         mc = cutlass.min(m0 + mic, M - 1)

@@ -2217,8 +2217,10 @@ def build_experts_pipe(key: MoEExpertsPipeKey):
 MERGED_DOWN_ARGS = ("we", "coef", "cnt", "r", "sh", "norm", "w_up", "trace")
 # the merged kernel's variants built ahead of time (TP8, with and without PDL): downearly3 requests all of moe_down's
 # ring slots as soon as a CTA's gate/up items are done, before the counter's wait
-MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail2048", "merge-tail3584", "merge-tail2048-l2h",
-                  "merge-tail3584-l2h")
+MERGE_VARIANTS = ("merge", "merge-downearly3", "merge-tail3584-l2h")
+# its other prefetch forms, timed on an H100 in run 69 (`moe_run69_b1_h100_tp8`: 1.6-2.0 us slower than the default, as
+# the three above), built only by `kimi-decode bundle --tuning` to keep the default bundle within the device carry
+MERGE_HISTORY_VARIANTS = ("merge-tail2048", "merge-tail3584", "merge-tail2048-l2h")
 
 
 AOT_VARIANTS = ("downmax1", "zlast", "upw16", "f16", "run35", "dflag", "dflagt", "sfirst", "sfirst2", "uflag1", "uflag3",
@@ -2549,10 +2551,10 @@ DOWN_PIPE = kc.register(kc.KernelSpec(name="moe_down_pipe", module=__name__, key
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.")))
 
 
-def _merged_aot_keys(arch: str):
+def _merged_aot_keys(arch: str, variants=MERGE_VARIANTS):
     s = shapes_for_tp(8)
     out = []
-    for v in MERGE_VARIANTS:
+    for v in variants:
         up_kw, down_kw = parse_pipe_variant(v)
         for p in (True, False):
             out.append(MoEExpertsPipeKey(MoEUpPipeKey(s, pdl=p, arch=arch, **up_kw),
@@ -2565,7 +2567,7 @@ def _merged_aot_keys(arch: str):
 
 EXPERTS_PIPE = kc.register(kc.KernelSpec(
     name="moe_experts_pipe", module=__name__, key_type=MoEExpertsPipeKey, build=build_experts_pipe,
-    aot_keys=_merged_aot_keys, ptx_checks=("cp.async.bulk", "mma.sync", "mbarrier.inval", "atom.global.release.add",
+    aot_keys=_merged_aot_keys, tuning_keys=lambda arch: _merged_aot_keys(arch, MERGE_HISTORY_VARIANTS), ptx_checks=("cp.async.bulk", "mma.sync", "mbarrier.inval", "atom.global.release.add",
                                            "ld.acquire.gpu", "red.relaxed.gpu.global.add")))
 
 __all__ = ["MoEUpPipeKey", "MoEDownPipeKey", "MoEExpertsPipeKey", "experts_pipe_smem_bytes", "down_pipe_capacity", "up_pipe_smem_bytes", "down_pipe_smem_bytes",
