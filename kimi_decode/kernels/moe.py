@@ -229,6 +229,16 @@ class MoETailKey:
     arch: str = "sm_90a"
 
 
+def tile_output(e, rows: int, m_tile: int, token_major: bool):
+    """(row, token) of output e of a front or tail GEMV tile (traced, module level so that it may be called inside
+    a staged if): token-major with the tensor-core partials (`gemv_partials_mma`), row-major without."""
+    if token_major:
+        mi = e // rows
+        return e - mi * rows, mi
+    r = e // m_tile
+    return r, e - r * m_tile
+
+
 def _situ(g, u, beta, beta_lin):
     """SiTU-GLU of fp32 DSL scalars (traced)."""
     import cutlass.cute as cute
@@ -697,21 +707,14 @@ def build_front(key: MoEFrontKey):
         cute.arch.griddepcontrol_launch_dependents()  # the next launch may be scheduled into freed slots
         if const_expr(MMA):
             gemv_partials_mma()(mW, mX, buf, row0, m0, K, MT, R, WARPS, U, False, None, True)
-            for j in cutlass.range_constexpr(-(-RM // THREADS)):  # token-major: a token's rows, thread by thread
-                e = tid + j * THREADS
-                if e < RM:
-                    mi = e // R
-                    r = e - mi * R
-                    s = warp_sum()(buf, e, WARPS)
-                    if m0 + mi < M:
-                        mO[m0 + mi, row0 + r] = s
         else:
             # ('fpdl') the weight rows are loaded before griddepcontrol.wait, x after it
             gemv_partials()(mW, mX, mX, buf, row0, m0, K, MT, R, WARPS, U, False, False, key.pdl)
-            if tid < RM:
-                r = tid // MT
-                mi = tid - r * MT
-                s = warp_sum()(buf, tid, WARPS)
+        for j in cutlass.range_constexpr(-(-RM // THREADS)):  # one output a thread (16 with tensor cores at 64)
+            e = tid + j * THREADS
+            if e < RM:
+                r, mi = tile_output(e, R, MT, MMA)
+                s = warp_sum()(buf, e, WARPS)
                 if m0 + mi < M:
                     mO[m0 + mi, row0 + r] = s
         if const_expr(ROUTE):
@@ -1143,19 +1146,11 @@ def build_tail(key: MoETailKey):
         M = mX.shape[0]
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_tensor(Float32, cute.make_layout((WARPS, RM), stride=(RM, 1)), byte_alignment=16)
-        def owned(e, rows, mt, token_major):  # (arguments, not captures: it is called inside a staged if)
-            """(row, token) of output e of the tile: token-major with tensor cores, row-major without"""
-            if const_expr(token_major):
-                mi = e // rows
-                return e - mi * rows, mi
-            r = e // mt
-            return r, e - r * mt
-
         # the shared all-reduce read is issued with the GEMV's loads, so its latency is hidden (every thread
         # loads, at clamped indices; the owners of an output use them after the GEMV; EARLY). With PDL it reads
         # moe_down's output, so it goes right after the wait, behind the first W_up loads.
         tc = cutlass.min(tid, RM - 1)
-        rc, mic = owned(tc, R, MT, MMA)
+        rc, mic = tile_output(tc, R, MT, MMA)
         mc = cutlass.min(m0 + mic, M - 1)
         cf = []
         for p_ in cutlass.range_constexpr(TP):
@@ -1179,7 +1174,7 @@ def build_tail(key: MoETailKey):
         for j in cutlass.range_constexpr(-(-RM // THREADS)):
             e = tid + j * THREADS
             if e < RM:
-                r, mi = owned(e, R, MT, MMA)
+                r, mi = tile_output(e, R, MT, MMA)
                 s = warp_sum()(buf, e, WARPS)
                 if m0 + mi < M:
                     s = s * cute.math.rsqrt(mSsq[m0 + mi] * Float32(1.0 / K) + Float32(EPS))
