@@ -115,6 +115,10 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             cap = min(kp.down_pipe_capacity(down_key), up_key.max_tokens)
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
+    elif experts == "pipe":  # above PIPE_MAX_M: moe_down as a ring whose slots also bring the activations
+        from .kernels.moe_wide import MoEDownWideKey
+        down_key, cap = MoEDownWideKey(shape, pdl=pdl, arch=arch), km.MAX_M
+        name = f"{name.split('-')[0]}-wide"
     check_flag_handshake(up_key, down_key)
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
@@ -161,7 +165,8 @@ class FusedMoE:
         3.9 µs at one token and cost 2.7-19 µs at 2-64 tokens, `moe_pdl_h200_tp8`).
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
         persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
-        tokens take the direct ones), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
+        tokens take the direct gate/up and the ring moe_down of `kernels/moe_wide.py`, whose slots also bring
+        the activations), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
         registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
         direct down, up to PIPE_MAX_M tokens).
         trace: the pipelined expert kernels' timeline builds, which record per-CTA checkpoints (%globaltimer and
@@ -171,6 +176,7 @@ class FusedMoE:
         from .kernels import moe as km
         from .kernels import moe_pipe as kp
         from .kernels.moe_tail_ring import cotail_key, tail_ring_key
+        from .kernels.moe_wide import MoEDownWideKey
 
         check_moe_input(weights, x)
         if pdl is None:
@@ -298,7 +304,7 @@ class FusedMoE:
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
         if shup:  # x and the shared gate/up rows, which moe_up streams itself
             up_extra += (x, w.shared_gate_up)
-        down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, kp.MoEDownPipeKey) else ()
+        down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, (kp.MoEDownPipeKey, MoEDownWideKey)) else ()
         self._route = kc.load(route_key) if separate_routing else None
         # 'shup': x and the shared gate/up rows moe_up streams (all but the 2·keep the front keeps, whose fp32
         # pre-activations it reads instead)

@@ -2011,3 +2011,104 @@ def test_merged_expert_kernel_has_a_timeline_build(compiler):
     assert res["STACK"] == 0 and res["LOCAL"] == 0, res
     with pytest.raises(ValueError, match="trace"):
         kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2), down)
+
+
+def test_wide_moe_down_is_chosen_above_eight_tokens_and_built_ahead_of_time():
+    """Above PIPE_MAX_M tokens the default step takes the direct gate/up and the ring moe_down whose slots bring the
+    activations (`kernels/moe_wide.py`), up to MAX_M tokens; experts='direct' keeps the direct moe_down. Every key a
+    step can ask for is built ahead of time, and its shared memory fits a CTA."""
+    from kimi_decode.fused_moe import expert_kernel_keys
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_pipe as kp
+    from kimi_decode.kernels import moe_wide as mw
+    built = mw.DOWN_WIDE.aot_keys("sm_90a")
+    for tp in (8, 16):
+        s = km.shapes_for_tp(tp)
+        for m in (1, 8, 9, 17, 64, 512):
+            for pdl in (True, False):
+                up, down, name = expert_kernel_keys(s, m, pdl=pdl)
+                if m <= kp.PIPE_MAX_M:
+                    assert isinstance(down, kp.MoEDownPipeKey) and isinstance(up, kp.MoEUpPipeKey), m
+                else:
+                    assert down == mw.MoEDownWideKey(s, pdl=pdl) and isinstance(up, km.MoEUpKey), m
+                    assert name.endswith("-wide") and down in built, (tp, m, pdl, name)
+                    assert mw.down_wide_smem_bytes(down) <= kp.SMEM_BUDGET
+                    assert km.L % down.rows_per_item == 0
+                assert isinstance(expert_kernel_keys(s, m, experts="direct", pdl=pdl)[1], km.MoEDownKey)
+    with pytest.raises(UnsupportedConfiguration):
+        expert_kernel_keys(km.shapes_for_tp(8), km.MAX_M + 1)
+    assert mw.MAX_CHUNKS == km.E + km.TOPK * km.MAX_M // mw.CHUNK
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_wide_moe_down_compiles_without_spills(compiler, tp):
+    """The wide moe_down compiles for sm_90a: bulk copies into its ring, the MXFP4 decode into mma.sync, red.add into
+    the latent partial, the chunk table's warp scan; no local memory; its shared memory fits one CTA per SM."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_wide as mw
+    for pdl in (False, True):
+        key = mw.MoEDownWideKey(km.shapes_for_tp(tp), pdl=pdl)
+        ptx = kc.ptx_text(key)
+        for needle in mw.DOWN_WIDE.ptx_checks:
+            assert needle in ptx, (key, needle)
+        assert ("griddepcontrol.wait" in ptx) == pdl
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+        assert mw.down_wide_smem_bytes(key) + res["SHARED"] <= 227 * 1024
+
+
+def test_wide_moe_down_refuses_bad_keys():
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_wide as mw
+    with pytest.raises(ValueError, match="stages"):
+        mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), stages=1))
+    with pytest.raises(ValueError, match="shared memory"):
+        mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), stages=6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,same", [(9, False), (17, False), (64, False), (256, False), (512, False), (64, True),
+                                         (512, True)])
+def test_wide_moe_down_matches_the_reference_and_the_direct_one(w8, tokens, same):
+    """The wide moe_down (default above 8 tokens) and the direct one both give the reference; with every token on
+    the same 16 experts (`same`) each expert has up to 64 chunks of 8 tokens, each reading the expert's rows again."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    if same:
+        x = moe_input(1, D, seed=300, device="cuda").repeat(tokens, 1)
+    else:
+        x = moe_input(tokens, D, seed=310 + tokens, device="cuda")
+    ex = FusedMoE(w8, x)
+    assert "-wide" in ex.variant and "moe_down_wide" in ex.kernels_used, ex.variant
+    for experts in ("pipe", "direct"):
+        r = check_moe(lambda w, xx: FusedMoE(w, xx, experts=experts), w8, x)
+        assert r["all_written"] and r["check_ok"], (experts, r)
+        if same:
+            assert r["active_experts"] == 16, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [17, 64])
+def test_wide_moe_down_matches_the_reference_tp16(tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kimi_decode.moe_bench import moe_input
+    r = _check(_weights(16), moe_input(tokens, D, seed=320 + tokens, device="cuda"))
+    assert r["all_written"]
+
+
+@pytest.mark.gpu
+def test_wide_moe_down_repeats_exactly(w8):
+    """Its counters re-arm: three steps in a row give the same output up to the red.adds' summation order."""
+    from kimi_decode.moe_bench import moe_input
+    ex = FusedMoE(w8, moe_input(64, D, seed=330, device="cuda"))
+    ex()
+    torch.cuda.synchronize()
+    first = ex.h.clone()
+    for _ in range(3):
+        ex.h.fill_(float("nan"))
+        ex()
+        torch.cuda.synchronize()
+        assert torch.isfinite(ex.h).all()
+        _same_up_to_summation_order(first, ex.h)
+    assert int(ex.cnt.abs().sum()) == 0

@@ -1,0 +1,435 @@
+"""moe_down above 8 tokens: a persistent bulk-copy ring on tensor cores whose activations ride in the ring.
+
+The pipelined expert kernels (`moe_pipe.py`) stage every (expert, token) pair's activations in shared memory
+once per CTA, which holds 8 tokens (128 pairs of a rows, 96 KB at TP8). Above that the step took the direct
+kernels (`moe.MoEDownKey`: a CTA per 16 latent rows, CUDA cores, every code decoded again for each token),
+which ran at about a fifth of the copy bandwidth (666 µs at batch 64 on an H100, run 74).
+
+Here an expert item is (128 latent rows of W2, one chunk of up to 8 of the expert's tokens): the chunk's a
+rows (contiguous in `a`, which is grouped by expert) come into the same ring slot as the item's codes and
+scales, by one more bulk copy. Items are ordered (row block, chunk), so one expert's W2 rows are read once
+per step whenever it has at most 8 tokens (the case at batch 64 × 1 token: about 1.7 tokens per active
+expert); an expert with more tokens has one chunk per 8 and its rows are read once per chunk. Each CTA
+builds the chunk table from the routing tables in its prologue (a warp-wide scan over the active experts).
+
+The arithmetic is moe_pipe's: 16 compute warps, 8 row groups of 16 rows (an mma.sync m16n8k16 A operand
+decoded from MXFP4 straight to bf16 pairs) × 2 halves of K that meet in shared memory, the chunk's tokens as
+the 8 B columns. a stays in its natural order in the slot and is permuted into the mma's B order in
+registers (two masks per bf16 pair). Each (row, token) sum times the routing weight is added into the
+rank's fp32 latent partial with red.add (no per-CTA row-block sum, so nothing here grows with the tokens
+but the routing tables); at the CTA's last item of a row block it fences and adds its item count to the
+row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
+peers'), stores r ⊙ w_norm and adds Σ r² per token, as moe_pipe's moe_down.
+
+A shared item is 16 rows of the shared experts' down projection (bf16) against up to 8 tokens' a_shared,
+both in the slot; its K is split over the 16 compute warps. Shared items come after a CTA's expert items.
+Arguments are moe_pipe's moe_down's (`moe_pipe.down_pipe_args`): the executor calls either the same way.
+"""
+
+import functools
+from dataclasses import dataclass
+
+from .. import compile as kc
+from .moe import D, E, L, MAX_M, TOPK, MoEShape, shapes_for_tp
+from .moe_pipe import H200_SMS, PIPE_MAX_M, SB, SMEM_BUDGET, bulk_routing_tables, down_pipe_args, ring_init, \
+    routing_table_bytes
+
+WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they are correct from one token)
+RBW = 128  # latent rows per expert item: 8 row groups of 16
+CHUNK = 8  # an expert's tokens per expert item: the mma's n
+SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
+ROW_GROUPS = RBW // 16
+KSPLIT = 2  # compute warps per row group, splitting K
+WARPS = ROW_GROUPS * KSPLIT  # compute warps; warp WARPS is the producer
+MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
+
+
+@dataclass(frozen=True)
+class MoEDownWideKey:
+    """moe_down for steps of more than `moe_pipe.PIPE_MAX_M` tokens (module docstring)."""
+
+    shape: MoEShape
+    stages: int = 3  # ring slots
+    ctas: int = H200_SMS
+    pdl: bool = False  # (fused_moe.PDL_MAX_TOKENS: PDL only at one token)
+    decode: int = 3  # the pair decode's version (mxfp4_decode.VERSIONS)
+    arch: str = "sm_90a"
+
+    @property
+    def rows_per_item(self) -> int:
+        """Latent rows per completion counter (the executor sizes its counters by it)."""
+        return RBW
+
+    @property
+    def threads(self) -> int:
+        return 32 * (WARPS + 1)
+
+
+def slot_bytes(shape: MoEShape) -> tuple[int, int, int]:
+    """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
+    rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
+    I, S = shape.inter, shape.shared
+    w = max(RBW * I // 2, SH_ROWS * S * 2)
+    s = RBW * I // 32
+    a = max(CHUNK * I * 2, CHUNK * S * 2)
+    return w, s, a
+
+
+def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
+    """Dynamic shared memory of one CTA (each allocation rounded up to its 128-byte alignment)."""
+    w, s, a = slot_bytes(key.shape)
+    parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
+             4 * WARPS * 32 * 4,  # each compute warp's mma sums of an item
+             16, 4 * E, 8 * E, 4 * TOPK * MAX_M,  # meta and the routing tables
+             4 * TOPK * MAX_M,  # the routing weight of every pair
+             2 * 4 * MAX_CHUNKS,  # the chunk table: first pair, (expert, tokens)
+             8 * key.stages + 8, 16]  # mbarriers; the chunk count and the completion flag
+    return sum(-(-p // 128) * 128 for p in parts)
+
+
+def check_key(key: MoEDownWideKey) -> None:
+    if key.shape.inter % SB or L % RBW or D % SH_ROWS:
+        raise ValueError(f"moe_down (wide) needs the intermediate slice in {SB}-code super-blocks, got {key.shape.inter}")
+    if not 2 <= key.stages <= 6:
+        raise ValueError(f"moe_down (wide) ring stages must be 2..6, got {key.stages}")
+    if down_wide_smem_bytes(key) > SMEM_BUDGET:
+        raise ValueError(f"moe_down (wide) with {key.stages} stages needs {down_wide_smem_bytes(key)} B of shared "
+                         f"memory, over the {SMEM_BUDGET} B a CTA may take")
+
+
+def build_down_wide(key: MoEDownWideKey):
+    """(host function, compile-time arguments) of moe_down (wide)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, const_expr
+
+    from .mxfp4_decode import decode_pairs, scale_pair
+    from .ptx_ops import bulk_g2s, ld_v4_f32, mma_bf16
+
+    check_key(key)
+    sh = key.shape
+    I, S, TP = sh.inter, sh.shared, sh.tp
+    ST, G, PDL = key.stages, key.ctas, key.pdl
+    RG, KS = ROW_GROUPS, KSPLIT
+    THREADS = key.threads
+    REFILL = 32 * WARPS  # the producer warp's first thread streams the ring
+    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh)
+    W_BYTES = RBW * I // 2  # an expert item's codes
+    SH_BYTES = SH_ROWS * S * 2  # a shared item's rows
+    WROW, SROW = I // 8, I // 32  # code words and scale bytes per W2 row
+    NBD = L // RBW  # latent row blocks
+    NSB = I // SB  # super-blocks per W2 row
+    KU = 4 * NSB // KS  # code words (of a lane's super-block quads) per K half
+    # K half h: (super-block, first word, end word) runs of words h·KU .. (h+1)·KU
+    KPARTS = [[(u // 4, u % 4, min(4, u % 4 + (h + 1) * KU - u)) for u in range(h * KU, (h + 1) * KU)
+               if u == h * KU or u % 4 == 0] for h in range(KS)]
+    KSTEPS = S // 16  # a shared item's k16 steps, dealt to the compute warps round robin
+    KSW = -(-KSTEPS // WARPS)
+    NSHB = D // SH_ROWS  # shared row blocks
+    pairs, mma, bulk, ld4 = decode_pairs(key.decode), mma_bf16(), bulk_g2s(), ld_v4_f32()
+    lo16, hi16 = 0xFFFF, -65536
+    PEERS = min(TP, 8)  # ranks whose 4-word loads a lane of the all-reduce read has in flight at once
+
+    def b_order(n):
+        """(traced inline) 4 words of natural-order bf16 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7) -> the mma's B order
+        (v0,v4) (v2,v6) (v1,v5) (v3,v7) (moe_pipe's permuted K)"""
+        return [(n[0] & lo16) | (n[2] << 16), (n[1] & lo16) | (n[3] << 16),
+                ((n[0] >> 16) & lo16) | (n[2] & hi16), ((n[1] >> 16) & lo16) | (n[3] & hi16)]
+
+    def expert_rows(gW, ring_s, gA, slot, r0, c, g, part):
+        """(traced inline) a lane's mma sums over its K half for rows r0 and r0 + 8 of the item in `slot`, B column g
+        (the chunk's g-th token) from the slot's a rows"""
+        tot = [Float32(0.0)] * 4
+        for q, b0, b1 in part:
+            acc = [Float32(0.0)] * 4
+            wa = gW[(None, (slot, r0, 4 * q + c))].load()
+            wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
+            sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
+            sb = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
+            for bb in range(b0, b1):
+                b = b_order(gA[(None, (slot, g, 16 * q + 4 * c + bb))].load())
+                pa = pairs(wa[bb], sa)
+                pb = pairs(wb[bb], sb)
+                for s in range(2):
+                    acc = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [b[2 * s], b[2 * s + 1]], acc)
+            tot = [tot[r] + acc[r] for r in range(4)]
+        return tot
+
+    @cute.jit
+    def issue(k: Int32, slot: Int32, ne: Int32, nch: Int32, tt: Int32, M: Int32, s_cpair: cute.Tensor,
+              s_cinfo: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mWd: cute.Tensor, mA: cute.Tensor,
+              mAsh: cute.Tensor, bars: cute.Tensor, w_base: Int32, s_base: Int32, a_base: Int32,
+              WEIGHTS: Constexpr, ACTS: Constexpr):
+        """(one thread, inlined) stream item k into slot `slot`: its weights (WEIGHTS, which also sets the
+        mbarrier's byte count for the whole item) and its activations (ACTS: moe_up's output, after the wait)"""
+        bar = bars.iterator + slot
+        b = bar.toint()
+        if k < ne:  # expert item: row block rb of chunk ch's expert, the chunk's a rows
+            rb = k // nch
+            ch = k - rb * nch
+            info = s_cinfo[ch]
+            n = info & 15
+            if const_expr(WEIGHTS):
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, W_BYTES + RBW * SROW + n * (I * 2))
+                row = (info >> 4) * L + rb * RBW
+                bulk(w_base + slot * W_SLOT, mW2.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
+                bulk(s_base + slot * S_SLOT, mS2.iterator.toint() + Int64(row) * SROW, RBW * SROW, b)
+            if const_expr(ACTS):
+                bulk(a_base + slot * A_SLOT, mA.iterator.toint() + Int64(s_cpair[ch]) * (I * 2), n * (I * 2), b)
+        else:  # shared item: 16 shared-down rows, up to 8 tokens' a_shared
+            s_ = k - ne
+            rsb = s_ // tt
+            t8 = s_ - rsb * tt
+            nt = cutlass.min(M - CHUNK * t8, CHUNK)
+            if const_expr(WEIGHTS):
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, SH_BYTES + nt * (S * 2))
+                bulk(w_base + slot * W_SLOT, mWd.iterator.toint() + Int64(rsb) * SH_BYTES, SH_BYTES, b)
+            if const_expr(ACTS):
+                bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (CHUNK * S * 2), nt * (S * 2), b)
+
+    @cute.jit
+    def complete_row_block(rb: Int32, mine: Int32, nch: Int32, flag: cute.Tensor, mLat: cute.Tensor,
+                           mCoef: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor, mSsq: cute.Tensor,
+                           mCnt: cute.Tensor, M: Int32, tid: Int32, warp: Int32, lane: Int32):
+        """(all threads, inlined) this CTA's red.adds into row block rb are out: the fence, its `mine` items
+        counted on the row block's counter and, if that completed it (every chunk's item in), its one-shot
+        all-reduce read (own partial + the peers', one token per warp at a time, 4 rows per lane), r ⊙ w_norm
+        stored (bf16), Σ r² added into the token's sum, and the counter re-armed"""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tid == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + rb, mine, sem="acq_rel", scope="gpu")
+            flag[0] = Int32(old + mine == nch)
+        cute.arch.barrier()
+        if flag[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            lat = mLat.iterator.toint()
+            row = rb * RBW + 4 * lane
+            for t in cutlass.range(warp, M, WARPS + 1):
+                tots = [Float32(0.0)] * 4
+                for pc in cutlass.range_constexpr(0, TP, PEERS):  # PEERS ranks' loads in flight at once
+                    parts = [ld4(lat + Int64((p_ * M + t) * L + row) * 4) for p_ in range(pc, pc + PEERS)]
+                    for e_ in cutlass.range_constexpr(4):
+                        for j_ in cutlass.range_constexpr(PEERS):
+                            tots[e_] = tots[e_] + mCoef[pc + j_] * parts[j_][e_]
+                sq = Float32(0.0)
+                for e_ in cutlass.range_constexpr(4):
+                    sq = sq + tots[e_] * tots[e_]
+                    mR[t, row + e_] = (tots[e_] * mNorm[0, row + e_].to(Float32)).to(BFloat16)
+                sq = cute.arch.warp_reduction_sum(sq)
+                if lane == 0:
+                    cute.arch.red(mSsq.iterator + t, sq, op="add", dtype=Float32, sem="relaxed", scope="gpu")
+            if tid == 0:
+                mCnt[rb] = Int32(0)  # re-arm for the next step
+        cute.arch.barrier()  # flag is free for the next row block
+
+    @cute.kernel
+    def down_kernel(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                    mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                    mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                    mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        M = mLat.shape[1]
+        smem = cutlass.utils.SmemAllocator()
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, W_SLOT // 4), stride=(W_SLOT // 4, 1)),
+                                      byte_alignment=128)
+        ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, RBW, SROW), stride=(S_SLOT, SROW, 1)),
+                                      byte_alignment=128)
+        ring_a = smem.allocate_tensor(Int32, cute.make_layout((ST, A_SLOT // 4), stride=(A_SLOT // 4, 1)),
+                                      byte_alignment=128)
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=128)
+        s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
+        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
+        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
+        s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
+        s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
+        s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=128)
+        pbar = bars.iterator + ST  # the routing tables' bulk copy
+        # views of the ring: an expert item's codes [rows, words] and a rows [8, I/2]; a shared item's bf16 rows
+        # [16, S/2] and a_shared rows [8, S/2]
+        gW = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout(
+            (ST, RBW, WROW), stride=(W_SLOT // 4, WROW, 1))), (1, 1, 4))
+        gA = cute.zipped_divide(cute.make_tensor(ring_a.iterator, cute.make_layout(
+            (ST, CHUNK, I // 2), stride=(A_SLOT // 4, I // 2, 1))), (1, 1, 4))
+        sWd = cute.make_tensor(ring_w.iterator, cute.make_layout((ST, SH_ROWS, S // 2), stride=(W_SLOT // 4, S // 2, 1)))
+        sAs = cute.make_tensor(ring_a.iterator, cute.make_layout((ST, CHUNK, S // 2), stride=(A_SLOT // 4, S // 2, 1)))
+
+        if tid == 0:
+            cute.arch.mbarrier_init(pbar, 1)
+        ring_init()(bars, ST)  # (thread 0's fence covers pbar too; then a CTA barrier)
+        # the routing tables come from moe_route: complete before this launch
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pbar, routing_table_bytes(M))
+            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pbar.toint())
+        cute.arch.mbarrier_wait(pbar, 0)
+        nact = s_meta[0]
+        if warp == WARPS:  # the chunk table: a scan over the active experts' chunk counts, 32 at a time
+            run = Int32(0)
+            for base in cutlass.range(0, nact, 32):
+                j = base + lane
+                num = Int32(0)
+                off = Int32(0)
+                e = Int32(0)
+                if j < nact:
+                    e = s_act[j]
+                    off = s_list[j, 0]
+                    num = s_list[j, 1]
+                nc = (num + (CHUNK - 1)) // CHUNK
+                inc = nc
+                for d in cutlass.range_constexpr(5):
+                    y = cute.arch.shuffle_sync_up(inc, 1 << d)
+                    if lane >= (1 << d):
+                        inc = inc + y
+                start = run + inc - nc
+                for p in cutlass.range(nc):
+                    s_cpair[start + p] = off + CHUNK * p
+                    s_cinfo[start + p] = e * 16 + cutlass.min(num - CHUNK * p, CHUNK)
+                run = run + cute.arch.shuffle_sync(inc, 31)
+            if lane == 0:
+                flag[1] = run
+        else:  # the routing weight of every (expert, token) pair
+            for idx in cutlass.range(tid, nact, 32 * WARPS):
+                e = s_act[idx]
+                off = s_list[idx, 0]
+                for q in cutlass.range(s_list[idx, 1]):
+                    s_we[off + q] = mWe[e, s_tok[off + q]]
+        cute.arch.barrier()
+        nch = flag[1]
+        tt = (M + (CHUNK - 1)) // CHUNK  # shared items per shared row block (token tiles)
+        ne = NBD * nch
+        nsh = NSHB * tt
+        # this CTA's items: a run of expert items, then a run of shared items; the expert items' extras to CTAs
+        # 0.., the shared ones' to the CTAs after them (moe_pipe.paired_split)
+        q_e = ne // G
+        r_e = ne - q_e * G
+        lo_e = bx * q_e + cutlass.min(bx, r_e)
+        hi_e = lo_e + q_e + Int32(bx < r_e)
+        j_s = bx - r_e
+        j_s = j_s + Int32(j_s < 0) * G
+        q_s = nsh // G
+        r_s = nsh - q_s * G
+        lo_s = j_s * q_s + cutlass.min(j_s, r_s)
+        hi_s = lo_s + q_s + Int32(j_s < r_s)
+        n_e = hi_e - lo_e
+        n_items = n_e + hi_s - lo_s
+        jmp = ne + lo_s - hi_e  # the CTA's i-th item is lo_e + i + (i >= n_e) · jmp
+        w_base = ring_w.iterator.toint()
+        s_base = ring_s.iterator.toint()
+        a_base = ring_a.iterator.toint()
+        if tid == REFILL:  # the first slots' weights before the wait for moe_up
+            for s in cutlass.range_constexpr(ST):
+                if s < n_items:
+                    issue(lo_e + s + Int32(s >= n_e) * jmp, s, ne, nch, tt, M, s_cpair, s_cinfo, mW2, mS2, mWd, mA,
+                          mAsh, bars, w_base, s_base, a_base, True, False)
+        if const_expr(PDL):  # a, a_shared and the zeroed latent partial come from moe_up
+            cute.arch.griddepcontrol_wait()
+        if tid == REFILL:
+            for s in cutlass.range_constexpr(ST):
+                if s < n_items:
+                    issue(lo_e + s + Int32(s >= n_e) * jmp, s, ne, nch, tt, M, s_cpair, s_cinfo, mW2, mS2, mWd, mA,
+                          mAsh, bars, w_base, s_base, a_base, False, True)
+        if const_expr(PDL):  # the tail reads nothing of this launch before its own wait
+            cute.arch.griddepcontrol_launch_dependents()
+        g = lane // 4
+        c = lane - 4 * g
+        for i in cutlass.range(n_items):
+            k = lo_e + i + Int32(i >= n_e) * jmp
+            slot = i % ST
+            if k < ne:
+                rb = k // nch
+                ch = k - rb * nch
+                if warp < WARPS:
+                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    r0 = 16 * (warp % RG) + g
+                    for h in cutlass.range_constexpr(KS):
+                        if warp // RG == h:
+                            th = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[h])
+                            for r in cutlass.range_constexpr(4):
+                                kpart[warp, lane, r] = th[r]
+                    cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                    if warp < RG:  # the row group's sums times the routing weights into the latent partial
+                        tot = [kpart[warp, lane, r] for r in range(4)]
+                        for h in cutlass.range_constexpr(1, KS):
+                            for r in cutlass.range_constexpr(4):
+                                tot[r] = tot[r] + kpart[warp + h * RG, lane, r]
+                        n = s_cinfo[ch] & 15
+                        p0 = s_cpair[ch]
+                        for x in cutlass.range_constexpr(2):
+                            if 2 * c + x < n:
+                                t = s_tok[p0 + 2 * c + x]
+                                w = s_we[p0 + 2 * c + x]
+                                o = t * L + rb * RBW + r0
+                                cute.arch.red(mLat.iterator + o, tot[x] * w, op="add", dtype=Float32, sem="relaxed",
+                                              scope="gpu")
+                                cute.arch.red(mLat.iterator + (o + 8), tot[2 + x] * w, op="add", dtype=Float32,
+                                              sem="relaxed", scope="gpu")
+                cute.arch.barrier()  # the slot is free
+                if tid == REFILL:
+                    if i + ST < n_items:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST + Int32(i + ST >= n_e) * jmp, slot, ne, nch, tt, M, s_cpair, s_cinfo, mW2, mS2,
+                              mWd, mA, mAsh, bars, w_base, s_base, a_base, True, True)
+                if i + 1 == n_e or (k + 1) // nch != rb:  # this CTA's last item of the row block
+                    complete_row_block(rb, k + 1 - cutlass.max(lo_e, rb * nch), nch, flag, mLat, mCoef, mR, mNorm,
+                                       mSsq, mCnt, M, tid, warp, lane)
+            else:  # 16 rows of the shared down projection against up to 8 tokens: this rank's shared partial
+                s_ = k - ne
+                rsb = s_ // tt
+                t8 = s_ - rsb * tt
+                if warp < WARPS:
+                    cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                    acc = [Float32(0.0)] * 4
+                    for u in cutlass.range_constexpr(KSW):
+                        ks = warp + WARPS * u
+                        if ks < KSTEPS:
+                            wo = 8 * ks + c
+                            acc = mma([sWd[slot, g, wo], sWd[slot, g + 8, wo], sWd[slot, g, wo + 4],
+                                       sWd[slot, g + 8, wo + 4]], [sAs[slot, g, wo], sAs[slot, g, wo + 4]], acc)
+                    for r in cutlass.range_constexpr(4):
+                        kpart[warp, lane, r] = acc[r]
+                    cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                    if warp == 0:
+                        tot = [kpart[0, lane, r] for r in range(4)]
+                        for w_ in cutlass.range_constexpr(1, WARPS):
+                            for r in cutlass.range_constexpr(4):
+                                tot[r] = tot[r] + kpart[w_, lane, r]
+                        for x in cutlass.range_constexpr(2):
+                            t = CHUNK * t8 + 2 * c + x
+                            if t < M:
+                                mSh[0, t, rsb * SH_ROWS + g] = tot[x].to(BFloat16)
+                                mSh[0, t, rsb * SH_ROWS + g + 8] = tot[2 + x].to(BFloat16)
+                cute.arch.barrier()
+                if tid == REFILL:
+                    if i + ST < n_items:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST, slot, ne, nch, tt, M, s_cpair, s_cinfo, mW2, mS2, mWd, mA, mAsh, bars, w_base,
+                              s_base, a_base, True, True)
+
+    @cute.jit
+    def down_host(mA: cute.Tensor, mW2: cute.Tensor, mS2: cute.Tensor, mMeta: cute.Tensor, mAct: cute.Tensor,
+                  mList: cute.Tensor, mTok: cute.Tensor, mWe: cute.Tensor, mLat: cute.Tensor, mCoef: cute.Tensor,
+                  mCnt: cute.Tensor, mR: cute.Tensor, mAsh: cute.Tensor, mWd: cute.Tensor, mSh: cute.Tensor,
+                  mNorm: cute.Tensor, mSsq: cute.Tensor, mWup: cute.Tensor, mF: cute.Tensor, mTrace: cute.Tensor,
+                  stream):
+        down_kernel(mA, mW2, mS2, mMeta, mAct, mList, mTok, mWe, mLat, mCoef, mCnt, mR, mAsh, mWd, mSh, mNorm, mSsq,
+                    mWup, mF, mTrace).launch(grid=(G, 1, 1), block=(THREADS, 1, 1), smem=down_wide_smem_bytes(key),
+                                             stream=stream, use_pdl=PDL)
+
+    return down_host, down_pipe_args(sh, NBD)
+
+
+def _aot_keys(arch: str):
+    return [MoEDownWideKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+
+
+DOWN_WIDE = kc.register(kc.KernelSpec(name="moe_down_wide", module=__name__, key_type=MoEDownWideKey,
+                                      build=build_down_wide, aot_keys=_aot_keys,
+                                      ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.", "shfl.sync.up")))
+
+__all__ = ["MoEDownWideKey", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
