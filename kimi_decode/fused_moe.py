@@ -115,10 +115,10 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             cap = min(kp.down_pipe_capacity(down_key), up_key.max_tokens)
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
-    elif experts == "pipe":  # above PIPE_MAX_M: moe_down as a ring whose slots also bring the activations
-        from .kernels.moe_wide import MoEDownWideKey
-        down_key, cap = MoEDownWideKey(shape, pdl=pdl, arch=arch), km.MAX_M
-        name = f"{name.split('-')[0]}-wide"
+    elif experts == "pipe":  # above PIPE_MAX_M: rings whose items take up to 8 of an expert's tokens at a time
+        from .kernels.moe_wide import MoEDownWideKey, MoEUpWideKey
+        up_key, down_key = MoEUpWideKey(shape, pdl=pdl, arch=arch), MoEDownWideKey(shape, pdl=pdl, arch=arch)
+        cap, name = km.MAX_M, "wide"
     check_flag_handshake(up_key, down_key)
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,
@@ -165,8 +165,8 @@ class FusedMoE:
         3.9 µs at one token and cost 2.7-19 µs at 2-64 tokens, `moe_pdl_h200_tp8`).
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
         persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
-        tokens take the direct gate/up and the ring moe_down of `kernels/moe_wide.py`, whose slots also bring
-        the activations), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
+        tokens take the rings of `kernels/moe_wide.py`, whose items take up to 8 of an expert's tokens at a time:
+        moe_up stages each chunk's z when it reaches it, moe_down's slots bring the chunk's a rows), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
         registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
         direct down, up to PIPE_MAX_M tokens).
         trace: the pipelined expert kernels' timeline builds, which record per-CTA checkpoints (%globaltimer and

@@ -12,7 +12,8 @@
 #   bash .bundle/run.sh bash scripts/gpu_evidence.sh "$OUT" env tests sweep-tp8 ...
 # Set KIMI_DECODE_GIT_COMMIT where the tree travels without .git. Stages that time the options of runs 17-41
 # (moe_pipe.HISTORY_VARIANTS), run 69's merge-tail2048 / -tail3584 / -tail2048-l2h (moe-merge, moe-l2h; moe_pipe.MERGE_HISTORY_VARIANTS),
-# ring-rate and mma-rate need a bundle built with `kimi-decode bundle --tuning`.
+# ring-rate, mma-rate and moe-tune (the direct kernels' launch shapes but TUNE_UP_BUILT / TUNE_DOWN_BUILT) need a bundle
+# built with `kimi-decode bundle --tuning`.
 set -u
 OUT=${1:?usage: gpu_evidence.sh OUTDIR STAGE[:SECONDS]...}; shift
 LOGS=${LOGS:-/tmp/kimi_decode_logs}

@@ -293,10 +293,11 @@ def test_routing_ties_go_to_the_lowest_expert_index(w8, separate, tied, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["w4r1-w4r4e4s4", "w8r1-w4r8e2s8", "w8r2-w8r4e4s4", "w4r2-w4r16e2s4",
-                                     "w4r2-w4r4e2s8", "w4r2-w4r8e4s4"])
+@pytest.mark.parametrize("variant", ["w8r1-w4r8e2s8", "w4r2-w4r8e2s8", "w8r1-w4r4e4s4"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fused_tuning_variants_match_the_reference(w8, variant, batch):
+    """The direct kernels' launch shapes built by default (TUNE_UP_BUILT, TUNE_DOWN_BUILT, each with the other
+    kernel's default); the rest are built by `bundle --tuning` (the moe-tune stage)."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(batch, D, seed=60 + batch, device="cuda")
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant, experts="direct"), w8, x)
@@ -707,8 +708,14 @@ def test_variant_names_parse_and_round_trip():
     assert km.variant_name(km.MoEUpKey(s, **up), km.MoEDownKey(s, **down)) == "w8r1-w4r8e2s8"
     with pytest.raises(ValueError, match="w4r2-w4r4e4s4"):
         km.parse_variant("fast")
-    for w, r in km.TUNE_UP:  # every tuning variant is compiled ahead of time
-        assert km.MoEUpKey(s, warps=w, rows_per_warp=r) in km.UP.aot_keys("sm_90a")
+    # the default bundle builds TUNE_UP_BUILT / TUNE_DOWN_BUILT, `bundle --tuning` the rest; each once
+    for spec, kind, shapes, built in ((km.UP, "up", km.TUNE_UP, km.TUNE_UP_BUILT),
+                                      (km.DOWN, "down", km.TUNE_DOWN, km.TUNE_DOWN_BUILT)):
+        aot, tuning = spec.aot_keys("sm_90a"), spec.tuning_keys("sm_90a")
+        assert not set(aot) & set(tuning)
+        for v in shapes:
+            for key in km._tuned_keys(kind, "sm_90a", [v]):
+                assert key in (aot if v in built else tuning), (kind, v, key)
 
 
 @pytest.mark.parametrize("name", ["moe_front", "moe_route", "moe_up", "moe_down", "moe_tail", "moe_up_pipe",
@@ -826,7 +833,7 @@ def test_every_built_variant_has_a_build_with_and_without_pdl():
             assert km.MoERouteKey(st, pdl=p) in km.ROUTE.aot_keys("sm_90a")
             for mt in km.M_TILES:
                 assert km.MoETailKey(st, m_tile=mt, pdl=p) in km.TAIL.aot_keys("sm_90a")
-    for w, r in km.TUNE_UP:
+    for w, r in km.TUNE_UP_BUILT:
         assert km.MoEUpKey(s, warps=w, rows_per_warp=r, pdl=False) in km.UP.aot_keys("sm_90a")
     assert km.MoERouteKey(s, candidates=False, pdl=False) in km.ROUTE.aot_keys("sm_90a")
 
@@ -1289,7 +1296,7 @@ def test_pipelined_kernels_fit_in_shared_memory_at_tp8_and_tp16():
 
 
 def test_expert_kernels_are_chosen_by_token_count_and_mode():
-    """Up to 8 tokens the pipelined expert kernels, above the direct ones; 'pipe-up' keeps the direct down;
+    """Up to 8 tokens the pipelined expert kernels, above the wide ones; 'pipe-up' keeps the direct down;
     'direct' everywhere; variants only for the direct kernels; too many tokens for a variant refused."""
     from kimi_decode.fused_moe import expert_kernel_keys
     from kimi_decode.kernels import moe as km
@@ -1302,8 +1309,9 @@ def test_expert_kernels_are_chosen_by_token_count_and_mode():
 
     assert kinds(1) == ("MoEUpPipeKey", "MoEDownPipeKey", "pipe")
     assert kinds(kp.PIPE_MAX_M) == ("MoEUpPipeKey", "MoEDownPipeKey", "pipe")
-    assert kinds(kp.PIPE_MAX_M + 1)[:2] == ("MoEUpKey", "MoEDownKey")
-    assert kinds(km.MAX_M)[:2] == ("MoEUpKey", "MoEDownKey")
+    assert kinds(kp.PIPE_MAX_M + 1) == ("MoEUpWideKey", "MoEDownWideKey", "wide")
+    assert kinds(km.MAX_M) == ("MoEUpWideKey", "MoEDownWideKey", "wide")
+    assert kinds(km.MAX_M, experts="direct")[:2] == ("MoEUpKey", "MoEDownKey")
     assert kinds(4, experts="pipe-up") == ("MoEUpPipeKey", "MoEDownKey", "pipe-up")
     assert kinds(1, experts="direct")[:2] == ("MoEUpKey", "MoEDownKey")
     assert kinds(1, experts="direct", variant="w4r2-w4r8e2s8")[2] == "w4r2-w4r8e2s8"
@@ -1315,7 +1323,7 @@ def test_expert_kernels_are_chosen_by_token_count_and_mode():
         expert_kernel_keys(s, 1, experts="pipe-up", variant="pf0-tail0")
     up, down, name = expert_kernel_keys(s, 1, variant="pf1-tail1024")
     assert (up.prefetch_down, down.prefetch_tail_rows, name) == (True, 1024, "pipe@pf1-tail1024")
-    assert kinds(kp.PIPE_MAX_M + 1, variant="pf0-tail0")[:2] == ("MoEUpKey", "MoEDownKey")  # prefetch: pipelined only
+    assert kinds(kp.PIPE_MAX_M + 1, variant="pf0-tail0")[:2] == ("MoEUpWideKey", "MoEDownWideKey")  # pipelined only
     with pytest.raises(UnsupportedConfiguration, match="1..192"):
         expert_kernel_keys(s, 256, experts="direct", variant="w4r2-w4r16e2s4")
 
@@ -2013,15 +2021,15 @@ def test_merged_expert_kernel_has_a_timeline_build(compiler):
         kp.MoEExpertsPipeKey(kp.MoEUpPipeKey(s, done_flag=2), down)
 
 
-def test_wide_moe_down_is_chosen_above_eight_tokens_and_built_ahead_of_time():
-    """Above PIPE_MAX_M tokens the default step takes the direct gate/up and the ring moe_down whose slots bring the
-    activations (`kernels/moe_wide.py`), up to MAX_M tokens; experts='direct' keeps the direct moe_down. Every key a
-    step can ask for is built ahead of time, and its shared memory fits a CTA."""
+def test_wide_expert_kernels_are_chosen_above_eight_tokens_and_built_ahead_of_time():
+    """Above PIPE_MAX_M tokens the default step takes the rings of `kernels/moe_wide.py` (items of up to 8 of an
+    expert's tokens), up to MAX_M tokens; experts='direct' keeps the direct kernels. Every key a step can ask for is
+    built ahead of time, and its shared memory fits a CTA."""
     from kimi_decode.fused_moe import expert_kernel_keys
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_pipe as kp
     from kimi_decode.kernels import moe_wide as mw
-    built = mw.DOWN_WIDE.aot_keys("sm_90a")
+    built = mw.DOWN_WIDE.aot_keys("sm_90a") + mw.UP_WIDE.aot_keys("sm_90a")
     for tp in (8, 16):
         s = km.shapes_for_tp(tp)
         for m in (1, 8, 9, 17, 64, 512):
@@ -2030,56 +2038,63 @@ def test_wide_moe_down_is_chosen_above_eight_tokens_and_built_ahead_of_time():
                 if m <= kp.PIPE_MAX_M:
                     assert isinstance(down, kp.MoEDownPipeKey) and isinstance(up, kp.MoEUpPipeKey), m
                 else:
-                    assert down == mw.MoEDownWideKey(s, pdl=pdl) and isinstance(up, km.MoEUpKey), m
-                    assert name.endswith("-wide") and down in built, (tp, m, pdl, name)
+                    assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl), mw.MoEDownWideKey(s, pdl=pdl), "wide")
+                    assert up in built and down in built, (tp, m, pdl)
                     assert mw.down_wide_smem_bytes(down) <= kp.SMEM_BUDGET
+                    assert mw.up_wide_smem_bytes(up) <= kp.SMEM_BUDGET
                     assert km.L % down.rows_per_item == 0
-                assert isinstance(expert_kernel_keys(s, m, experts="direct", pdl=pdl)[1], km.MoEDownKey)
+                up, down, _ = expert_kernel_keys(s, m, experts="direct", pdl=pdl)
+                assert isinstance(up, km.MoEUpKey) and isinstance(down, km.MoEDownKey)
     with pytest.raises(UnsupportedConfiguration):
         expert_kernel_keys(km.shapes_for_tp(8), km.MAX_M + 1)
     assert mw.MAX_CHUNKS == km.E + km.TOPK * km.MAX_M // mw.CHUNK
 
 
 @pytest.mark.parametrize("tp", [8, 16])
-def test_wide_moe_down_compiles_without_spills(compiler, tp):
-    """The wide moe_down compiles for sm_90a: bulk copies into its ring, the MXFP4 decode into mma.sync, red.add into
-    the latent partial, the chunk table's warp scan; no local memory; its shared memory fits one CTA per SM."""
+def test_wide_expert_kernels_compile_without_spills(compiler, tp):
+    """Both wide kernels compile for sm_90a: bulk copies into their rings, the MXFP4 decode into mma.sync, the chunk
+    table's warp scan, moe_down's red.add into the latent partial; no local memory; their shared memory fits one CTA
+    per SM."""
     from kimi_decode import compile as kc
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_wide as mw
     for pdl in (False, True):
-        key = mw.MoEDownWideKey(km.shapes_for_tp(tp), pdl=pdl)
-        ptx = kc.ptx_text(key)
-        for needle in mw.DOWN_WIDE.ptx_checks:
-            assert needle in ptx, (key, needle)
-        assert ("griddepcontrol.wait" in ptx) == pdl
-        res = kc.resource_usage(key)
-        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
-        assert mw.down_wide_smem_bytes(key) + res["SHARED"] <= 227 * 1024
+        for key, spec, size in ((mw.MoEDownWideKey(km.shapes_for_tp(tp), pdl=pdl), mw.DOWN_WIDE, mw.down_wide_smem_bytes),
+                                (mw.MoEUpWideKey(km.shapes_for_tp(tp), pdl=pdl), mw.UP_WIDE, mw.up_wide_smem_bytes)):
+            ptx = kc.ptx_text(key)
+            for needle in spec.ptx_checks:
+                assert needle in ptx, (key, needle)
+            assert ("griddepcontrol.wait" in ptx) == pdl
+            res = kc.resource_usage(key)
+            assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+            assert size(key) + res["SHARED"] <= 227 * 1024
 
 
-def test_wide_moe_down_refuses_bad_keys():
+def test_wide_expert_kernels_refuse_bad_keys():
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_wide as mw
-    with pytest.raises(ValueError, match="stages"):
-        mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), stages=1))
-    with pytest.raises(ValueError, match="shared memory"):
-        mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), stages=6))
+    s = km.shapes_for_tp(8)
+    for check, make in ((mw.check_key, mw.MoEDownWideKey), (mw.check_up_key, mw.MoEUpWideKey)):
+        with pytest.raises(ValueError, match="stages"):
+            check(make(s, stages=1))
+        with pytest.raises(ValueError, match="shared memory"):
+            check(make(s, stages=6))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,same", [(9, False), (17, False), (64, False), (256, False), (512, False), (64, True),
                                          (512, True)])
-def test_wide_moe_down_matches_the_reference_and_the_direct_one(w8, tokens, same):
-    """The wide moe_down (default above 8 tokens) and the direct one both give the reference; with every token on
-    the same 16 experts (`same`) each expert has up to 64 chunks of 8 tokens, each reading the expert's rows again."""
+def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens, same):
+    """The wide expert kernels (the default above 8 tokens) and the direct ones both give the reference; with every
+    token on the same 16 experts (`same`) each expert has up to 64 chunks of 8 tokens, each reading the expert's rows
+    again."""
     from kimi_decode.moe_bench import check_moe, moe_input
     if same:
         x = moe_input(1, D, seed=300, device="cuda").repeat(tokens, 1)
     else:
         x = moe_input(tokens, D, seed=310 + tokens, device="cuda")
     ex = FusedMoE(w8, x)
-    assert "-wide" in ex.variant and "moe_down_wide" in ex.kernels_used, ex.variant
+    assert ex.variant.endswith("wide") and "moe_up_wide+moe_down_wide" in ex.kernels_used, (ex.variant, ex.kernels_used)
     for experts in ("pipe", "direct"):
         r = check_moe(lambda w, xx: FusedMoE(w, xx, experts=experts), w8, x)
         assert r["all_written"] and r["check_ok"], (experts, r)
@@ -2089,7 +2104,7 @@ def test_wide_moe_down_matches_the_reference_and_the_direct_one(w8, tokens, same
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [17, 64])
-def test_wide_moe_down_matches_the_reference_tp16(tokens):
+def test_wide_expert_kernels_match_the_reference_tp16(tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kimi_decode.moe_bench import moe_input
@@ -2098,8 +2113,8 @@ def test_wide_moe_down_matches_the_reference_tp16(tokens):
 
 
 @pytest.mark.gpu
-def test_wide_moe_down_repeats_exactly(w8):
-    """Its counters re-arm: three steps in a row give the same output up to the red.adds' summation order."""
+def test_wide_expert_kernels_repeat_exactly(w8):
+    """moe_down's counters re-arm: three steps in a row give the same output up to the red.adds' summation order."""
     from kimi_decode.moe_bench import moe_input
     ex = FusedMoE(w8, moe_input(64, D, seed=330, device="cuda"))
     ex()

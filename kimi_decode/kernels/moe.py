@@ -1306,6 +1306,10 @@ def shapes_for_tp(tp: int) -> MoEShape:
 # (`kimi-decode moe --executors fused@w4r1-w4r8e2s8,...`; see parse_variant)
 TUNE_UP = ((4, 1), (8, 1), (8, 2))
 TUNE_DOWN = ((4, 4, 2, 8), (4, 8, 4, 4), (4, 8, 2, 8), (8, 4, 4, 4), (4, 16, 2, 4))
+# the direct kernels' launch shapes built by default (their GPU test's); the rest of TUNE_UP / TUNE_DOWN by
+# `bundle --tuning` (since the wide kernels took the steps above 8 tokens, the direct ones are a comparison point)
+TUNE_UP_BUILT = ((8, 1),)
+TUNE_DOWN_BUILT = ((4, 8, 2, 8),)
 
 
 def parse_variant(text: str) -> tuple[dict, dict]:
@@ -1365,13 +1369,11 @@ def aot_keys_for(kind: str):
             elif kind == "up":
                 out += [MoEUpKey(s, arch=arch), MoEUpKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out += [MoEUpKey(s, warps=w, rows_per_warp=r, pdl=p, arch=arch) for w, r in TUNE_UP
-                            for p in (True, False)]
+                    out += _tuned_keys("up", arch, TUNE_UP_BUILT)
             elif kind == "down":
                 out += [MoEDownKey(s, arch=arch), MoEDownKey(s, pdl=False, arch=arch)]
                 if tp == 8:
-                    out += [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, pdl=p,
-                                       arch=arch) for w, r, e, x in TUNE_DOWN for p in (True, False)]
+                    out += _tuned_keys("down", arch, TUNE_DOWN_BUILT)
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
                 out += [MoETailKey(s, m_tile=mt, pdl=p, mma=True, arch=arch) for mt in MMA_TILES for p in (True, False)]
@@ -1379,14 +1381,29 @@ def aot_keys_for(kind: str):
     return keys
 
 
+def _tuned_keys(kind: str, arch: str, shapes) -> list:
+    """The direct kernels' TP8 keys at the given launch shapes (TUNE_UP / TUNE_DOWN entries), with and without PDL."""
+    s = shapes_for_tp(8)
+    if kind == "up":
+        return [MoEUpKey(s, warps=w, rows_per_warp=r, pdl=p, arch=arch) for w, r in shapes for p in (True, False)]
+    return [MoEDownKey(s, warps=w, rows_per_warp=r, experts_ahead=e, expert_splits=x, pdl=p, arch=arch)
+            for w, r, e, x in shapes for p in (True, False)]
+
+
+def _tuning_only(kind: str, built, shapes):
+    return lambda arch: _tuned_keys(kind, arch, [v for v in shapes if v not in built])
+
+
 FRONT = kc.register(kc.KernelSpec(name="moe_front", module=__name__, key_type=MoEFrontKey, build=build_front,
                                   aot_keys=aot_keys_for("front"), ptx_checks=("ld.global.v4", "atom")))
 ROUTE = kc.register(kc.KernelSpec(name="moe_route", module=__name__, key_type=MoERouteKey, build=build_route,
                                   aot_keys=aot_keys_for("route"), ptx_checks=("atom",)))
 UP = kc.register(kc.KernelSpec(name="moe_up", module=__name__, key_type=MoEUpKey, build=build_up,
-                               aot_keys=aot_keys_for("up"), ptx_checks=("mul.rn.bf16x2",)))
+                               aot_keys=aot_keys_for("up"), ptx_checks=("mul.rn.bf16x2",),
+                               tuning_keys=_tuning_only("up", TUNE_UP_BUILT, TUNE_UP)))
 DOWN = kc.register(kc.KernelSpec(name="moe_down", module=__name__, key_type=MoEDownKey, build=build_down,
-                                 aot_keys=aot_keys_for("down"), ptx_checks=("mul.rn.bf16x2",)))
+                                 aot_keys=aot_keys_for("down"), ptx_checks=("mul.rn.bf16x2",),
+                                 tuning_keys=_tuning_only("down", TUNE_DOWN_BUILT, TUNE_DOWN)))
 TAIL = kc.register(kc.KernelSpec(name="moe_tail", module=__name__, key_type=MoETailKey, build=build_tail,
                                  aot_keys=aot_keys_for("tail"), ptx_checks=("ld.global.v4",)))
 

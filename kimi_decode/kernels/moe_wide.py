@@ -97,6 +97,51 @@ def check_key(key: MoEDownWideKey) -> None:
                          f"memory, over the {SMEM_BUDGET} B a CTA may take")
 
 
+_CHUNKS = None
+
+
+def chunk_table():
+    """`@cute.jit` chunk_table()(s_act, s_list, s_cpair, s_cinfo, out, nact, lane), one warp: the chunks of the step
+    (up to CHUNK tokens of one active expert each, in expert order) from the routing tables in shared memory, by a
+    scan over the active experts' chunk counts 32 at a time. Chunk c: s_cpair[c] its first (expert, token) pair,
+    s_cinfo[c] = expert id · 16 + its token count; out[1] the number of chunks (lane 0)."""
+    global _CHUNKS
+    if _CHUNKS is None:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass import Int32
+
+        @cute.jit
+        def table(s_act: cute.Tensor, s_list: cute.Tensor, s_cpair: cute.Tensor, s_cinfo: cute.Tensor,
+                  out: cute.Tensor, nact: Int32, lane: Int32):
+            run = Int32(0)
+            for base in cutlass.range(0, nact, 32):
+                j = base + lane
+                num = Int32(0)
+                off = Int32(0)
+                e = Int32(0)
+                if j < nact:
+                    e = s_act[j]
+                    off = s_list[j, 0]
+                    num = s_list[j, 1]
+                nc = (num + (CHUNK - 1)) // CHUNK
+                inc = nc
+                for d in cutlass.range_constexpr(5):  # inclusive scan of the 32 lanes' counts
+                    y = cute.arch.shuffle_sync_up(inc, 1 << d)
+                    if lane >= (1 << d):
+                        inc = inc + y
+                start = run + inc - nc
+                for p in cutlass.range(nc):
+                    s_cpair[start + p] = off + CHUNK * p
+                    s_cinfo[start + p] = e * 16 + cutlass.min(num - CHUNK * p, CHUNK)
+                run = run + cute.arch.shuffle_sync(inc, 31)
+            if lane == 0:
+                out[1] = run
+
+        _CHUNKS = table
+    return _CHUNKS
+
+
 def build_down_wide(key: MoEDownWideKey):
     """(host function, compile-time arguments) of moe_down (wide)."""
     import cutlass
@@ -269,30 +314,8 @@ def build_down_wide(key: MoEDownWideKey):
             bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pbar.toint())
         cute.arch.mbarrier_wait(pbar, 0)
         nact = s_meta[0]
-        if warp == WARPS:  # the chunk table: a scan over the active experts' chunk counts, 32 at a time
-            run = Int32(0)
-            for base in cutlass.range(0, nact, 32):
-                j = base + lane
-                num = Int32(0)
-                off = Int32(0)
-                e = Int32(0)
-                if j < nact:
-                    e = s_act[j]
-                    off = s_list[j, 0]
-                    num = s_list[j, 1]
-                nc = (num + (CHUNK - 1)) // CHUNK
-                inc = nc
-                for d in cutlass.range_constexpr(5):
-                    y = cute.arch.shuffle_sync_up(inc, 1 << d)
-                    if lane >= (1 << d):
-                        inc = inc + y
-                start = run + inc - nc
-                for p in cutlass.range(nc):
-                    s_cpair[start + p] = off + CHUNK * p
-                    s_cinfo[start + p] = e * 16 + cutlass.min(num - CHUNK * p, CHUNK)
-                run = run + cute.arch.shuffle_sync(inc, 31)
-            if lane == 0:
-                flag[1] = run
+        if warp == WARPS:  # the chunk table, by the producer warp
+            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane)
         else:  # the routing weight of every (expert, token) pair
             for idx in cutlass.range(tid, nact, 32 * WARPS):
                 e = s_act[idx]
@@ -424,12 +447,227 @@ def build_down_wide(key: MoEDownWideKey):
     return down_host, down_pipe_args(sh, NBD)
 
 
-def _aot_keys(arch: str):
-    return [MoEDownWideKey(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+# --------------------------------------------------------------------------- moe_up (wide)
+
+UP_ROWS = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3), as moe_pipe's RB_UP
+UP_WARPS = 14  # moe_up's compute warps: warp w takes super-blocks w and w + 14 of a row's 28
+
+
+@dataclass(frozen=True)
+class MoEUpWideKey:
+    """moe_up for steps of more than `moe_pipe.PIPE_MAX_M` tokens: persistent CTAs over items (chunk, 8 intermediate
+    rows) in chunk order, the W1 and W3 rows streamed through a ring as in moe_pipe; the chunk's z (up to 8 tokens,
+    bf16 in the mma's B order) staged in shared memory when a CTA's items reach a new chunk. Each CTA also does its
+    share of the shared experts' SiTU and of zeroing the latent partial and Σ r² (as moe.MoEUpKey)."""
+
+    shape: MoEShape
+    stages: int = 3
+    ctas: int = H200_SMS
+    pdl: bool = False
+    decode: int = 3
+    arch: str = "sm_90a"
+
+    @property
+    def threads(self) -> int:
+        return 32 * (UP_WARPS + 1)
+
+
+def up_slot_bytes(shape: MoEShape) -> tuple[int, int]:
+    """(code, scale) bytes of one moe_up ring slot: 8 rows of W1 and 8 of W3."""
+    return 2 * UP_ROWS * L // 2, 2 * UP_ROWS * L // 32
+
+
+def up_wide_smem_bytes(key: MoEUpWideKey) -> int:
+    w, s = up_slot_bytes(key.shape)
+    parts = [key.stages * w, key.stages * s,
+             CHUNK * L * 2,  # the chunk's z (bf16)
+             4 * UP_WARPS * 32 * 4,  # each compute warp's mma sums of an item
+             16, 4 * E, 8 * E, 4 * TOPK * MAX_M,  # meta and the routing tables
+             2 * 4 * MAX_CHUNKS,  # the chunk table
+             8 * key.stages + 8, 16]
+    return sum(-(-p // 128) * 128 for p in parts)
+
+
+def check_up_key(key: MoEUpWideKey) -> None:
+    if key.shape.inter % UP_ROWS or (L // SB) != 2 * UP_WARPS:
+        raise ValueError(f"moe_up (wide) needs {UP_ROWS}-row blocks and {2 * UP_WARPS} super-blocks per row")
+    if not 2 <= key.stages <= 6:
+        raise ValueError(f"moe_up (wide) ring stages must be 2..6, got {key.stages}")
+    if up_wide_smem_bytes(key) > SMEM_BUDGET:
+        raise ValueError(f"moe_up (wide) with {key.stages} stages needs {up_wide_smem_bytes(key)} B of shared "
+                         f"memory, over the {SMEM_BUDGET} B a CTA may take")
+
+
+def build_up_wide(key: MoEUpWideKey):
+    """(host function, compile-time arguments) of moe_up (wide); its arguments are the direct moe_up's
+    (`moe.expert_up_args`)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, const_expr
+
+    from .moe import _situ, expert_up_args, shared_situ_and_zeroing
+    from .moe_pipe import store_b_order, superblock_mma
+    from .mxfp4_decode import scale_pair
+    from .ptx_ops import bulk_g2s
+
+    check_up_key(key)
+    sh = key.shape
+    I = sh.inter
+    ST, G, PDL = key.stages, key.ctas, key.pdl
+    THREADS = key.threads
+    CW = UP_WARPS * 32  # compute threads
+    REFILL = CW  # the producer warp's first thread streams the ring
+    W_SLOT, S_SLOT = up_slot_bytes(sh)
+    ROW_BYTES, ROW_SC = L // 2, L // 32  # bytes of codes and of scales per W1 / W3 row
+    WROW = L // 8
+    NRB = I // UP_ROWS  # row blocks per expert
+    Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
+    bulk = bulk_g2s()
+
+    @cute.jit
+    def issue(k: Int32, slot: Int32, s_cinfo: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
+              mS3: cute.Tensor, bars: cute.Tensor, w_base: Int32, s_base: Int32):
+        """(one thread, inlined) stream item k (chunk k // NRB, row block k % NRB) into slot `slot`: 8 rows of W1
+        then 8 of W3, their scales likewise"""
+        bar = bars.iterator + slot
+        b = bar.toint()
+        ch = k // NRB
+        row = (s_cinfo[ch] >> 4) * I + (k - ch * NRB) * UP_ROWS
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, W_SLOT + S_SLOT)
+        dw = w_base + slot * W_SLOT
+        ds = s_base + slot * S_SLOT
+        bulk(dw, mW1.iterator.toint() + Int64(row) * ROW_BYTES, UP_ROWS * ROW_BYTES, b)
+        bulk(dw + UP_ROWS * ROW_BYTES, mW3.iterator.toint() + Int64(row) * ROW_BYTES, UP_ROWS * ROW_BYTES, b)
+        bulk(ds, mS1.iterator.toint() + Int64(row) * ROW_SC, UP_ROWS * ROW_SC, b)
+        bulk(ds + UP_ROWS * ROW_SC, mS3.iterator.toint() + Int64(row) * ROW_SC, UP_ROWS * ROW_SC, b)
+
+    @cute.kernel
+    def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                  mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                  mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        bx, _, _ = cute.arch.block_idx()
+        M = mF.shape[0]
+        smem = cutlass.utils.SmemAllocator()
+        ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2 * UP_ROWS, WROW), stride=(W_SLOT // 4, WROW, 1)),
+                                      byte_alignment=128)
+        ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2 * UP_ROWS, ROW_SC), stride=(S_SLOT, ROW_SC, 1)),
+                                      byte_alignment=128)
+        sz = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, L // 2), stride=(L // 2, 1)), byte_alignment=128)
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((UP_WARPS, 32, 4), stride=(128, 4, 1)),
+                                     byte_alignment=128)
+        s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
+        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
+        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
+        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
+        s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
+        s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
+        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
+        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=128)
+        pbar = bars.iterator + ST
+        gW = cute.zipped_divide(ring_w, (1, 1, 4))
+        sB = cute.zipped_divide(sz, (1, 4))
+        gF = cute.zipped_divide(mF, (1, 4))
+
+        if tid == 0:
+            cute.arch.mbarrier_init(pbar, 1)
+        ring_init()(bars, ST)  # (thread 0's fence covers pbar too; then a CTA barrier)
+        if const_expr(PDL):  # the routing tables and the front's output come from the launches before
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(pbar, routing_table_bytes(M))
+            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pbar.toint())
+        # while the tables come: this CTA's share of the shared experts' SiTU and of zeroing the latent partial and
+        # Σ r² that moe_down adds into
+        shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
+        cute.arch.mbarrier_wait(pbar, 0)
+        nact = s_meta[0]
+        if warp == UP_WARPS:
+            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane)
+        cute.arch.barrier()
+        n = NRB * flag[1]
+        lo = (bx * n) // G  # this CTA's run of items, in (chunk, row block) order
+        hi = ((bx + 1) * n) // G
+        w_base = ring_w.iterator.toint()
+        s_base = ring_s.iterator.toint()
+        if tid == REFILL:
+            for s in cutlass.range_constexpr(ST):
+                if lo + s < hi:
+                    issue(lo + s, s, s_cinfo, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+        g = lane // 4
+        c = lane - 4 * g
+        cur = Int32(-1)  # the chunk whose z is staged
+        for k in cutlass.range(lo, hi):
+            i = k - lo
+            slot = i % ST
+            ch = k // NRB
+            rb = k - ch * NRB
+            if warp < UP_WARPS:
+                if ch != cur:  # a new chunk: its tokens' z as bf16 pairs in the mma's B order
+                    p0 = s_cpair[ch]
+                    num = s_cinfo[ch] & 15
+                    for idx in cutlass.range(tid, num * (L // 8), CW):
+                        r = idx // (L // 8)
+                        o = idx - r * (L // 8)
+                        t = s_tok[p0 + r]
+                        v0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+                        v1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+                        store_b_order(sz, r, o, [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]])
+                    cute.arch.barrier(barrier_id=2, number_of_threads=CW)
+                    cur = ch
+                cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
+                acc = [Float32(0.0)] * 4
+                for u in cutlass.range_constexpr(2):
+                    q = warp + UP_WARPS * u
+                    wa = gW[(None, (slot, g, 4 * q + c))].load()
+                    wb = gW[(None, (slot, g + UP_ROWS, 4 * q + c))].load()
+                    sa = scale_pair(Int32(ring_s[slot, g, 4 * q + c]))
+                    sb = scale_pair(Int32(ring_s[slot, g + UP_ROWS, 4 * q + c]))
+                    acc = superblock_mma(acc, wa, wb, sa, sb, sB, g, 16 * q + 4 * c, key.decode)
+                for r in cutlass.range_constexpr(4):
+                    kpart[warp, lane, r] = acc[r]
+                cute.arch.barrier(barrier_id=2, number_of_threads=CW)
+                if warp == 0:  # gate (row g) and up (row g + 8) of tokens 2c, 2c + 1: SiTU into a
+                    tot = [kpart[0, lane, r] for r in range(4)]
+                    for w_ in cutlass.range_constexpr(1, UP_WARPS):
+                        for r in cutlass.range_constexpr(4):
+                            tot[r] = tot[r] + kpart[w_, lane, r]
+                    num = s_cinfo[ch] & 15
+                    p0 = s_cpair[ch]
+                    for x in cutlass.range_constexpr(2):
+                        if 2 * c + x < num:
+                            mA[p0 + 2 * c + x, rb * UP_ROWS + g] = _situ(tot[x], tot[2 + x], BETA, BETA_LIN).to(BFloat16)
+            cute.arch.barrier()  # the slot and kpart are free
+            if tid == REFILL:
+                if k + ST < hi:
+                    cute.arch.fence_view_async_shared()
+                    issue(k + ST, slot, s_cinfo, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+
+    @cute.jit
+    def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
+                mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
+                mAsh: cute.Tensor, mLat: cute.Tensor, mSsq: cute.Tensor, stream):
+        up_kernel(mF, mW1, mS1, mW3, mS3, mMeta, mAct, mList, mTok, mA, mAsh, mLat, mSsq).launch(
+            grid=(G, 1, 1), block=(THREADS, 1, 1), smem=up_wide_smem_bytes(key), stream=stream, use_pdl=PDL)
+
+    return up_host, expert_up_args(sh)
+
+
+def _aot_keys(make):
+    def keys(arch: str):
+        return [make(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+    return keys
 
 
 DOWN_WIDE = kc.register(kc.KernelSpec(name="moe_down_wide", module=__name__, key_type=MoEDownWideKey,
-                                      build=build_down_wide, aot_keys=_aot_keys,
+                                      build=build_down_wide, aot_keys=_aot_keys(MoEDownWideKey),
                                       ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "red.", "shfl.sync.up")))
 
-__all__ = ["MoEDownWideKey", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
+UP_WIDE = kc.register(kc.KernelSpec(name="moe_up_wide", module=__name__, key_type=MoEUpWideKey, build=build_up_wide,
+                                    aot_keys=_aot_keys(MoEUpWideKey),
+                                    ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "shfl.sync.up")))
+
+__all__ = ["MoEDownWideKey", "MoEUpWideKey", "up_wide_smem_bytes", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
