@@ -101,6 +101,8 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
                          "(options of the pipelined kernels, e.g. run17 or pf1-tail2048)")
     direct_v = variant if experts == "direct" else None
     pipe_v = variant if experts == "pipe" else None
+    from .kernels.moe_wide import parse_wide_options
+    wup_kw, wdown_kw, pipe_v = parse_wide_options(pipe_v)  # the wide kernels' options (above PIPE_MAX_M tokens)
     up_kw, down_kw = km.parse_variant(direct_v) if direct_v else ({}, {})
     pup_kw, pdown_kw = kp.parse_pipe_variant(pipe_v) if pipe_v else ({}, {})
     up_key = km.MoEUpKey(shape, pdl=pdl, arch=arch, **up_kw)
@@ -116,9 +118,10 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
     elif experts == "pipe":  # above PIPE_MAX_M: rings whose items take up to 8 of an expert's tokens at a time
-        from .kernels.moe_wide import MoEDownWideKey, MoEUpWideKey
-        up_key, down_key = MoEUpWideKey(shape, pdl=pdl, arch=arch), MoEDownWideKey(shape, pdl=pdl, arch=arch)
-        cap, name = km.MAX_M, "wide"
+        from .kernels.moe_wide import MoEDownWideKey, MoEUpWideKey, wide_variant_name
+        up_key = MoEUpWideKey(shape, pdl=pdl, arch=arch, **wup_kw)
+        down_key = MoEDownWideKey(shape, pdl=pdl, arch=arch, **wdown_kw)
+        cap, name = km.MAX_M, wide_variant_name(up_key, down_key)
     check_flag_handshake(up_key, down_key)
     if tokens > cap:
         raise UnsupportedConfiguration(f"tokens per step with the expert-kernel variant {name}", tokens,

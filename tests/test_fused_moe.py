@@ -2070,6 +2070,33 @@ def test_wide_expert_kernels_compile_without_spills(compiler, tp):
             assert size(key) + res["SHARED"] <= 227 * 1024
 
 
+def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
+    """'wsync', 'wstN', 'wupstN', 'wdownstN' set the wide kernels' keys above 8 tokens (the rest of the variant goes to
+    the pipelined kernels), round-trip through the variant name, and every AOT_WIDE_VARIANTS key is built; a ring
+    that does not fit is refused before any build. The synchronous forms compile too."""
+    from kimi_decode import compile as kc
+    from kimi_decode.fused_moe import expert_kernel_keys
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.kernels import moe_wide as mw
+    assert mw.parse_wide_options("wsync-wupst4-pf1") == (dict(decoupled=False, stages=4), dict(decoupled=False), "pf1")
+    assert mw.parse_wide_options(None) == ({}, {}, None)
+    with pytest.raises(ValueError, match="shared memory"):
+        mw.parse_wide_options("wdownst5")
+    s = km.shapes_for_tp(8)
+    built = mw.UP_WIDE.aot_keys("sm_90a") + mw.DOWN_WIDE.aot_keys("sm_90a")
+    for v in mw.AOT_WIDE_VARIANTS:
+        up, down, name = expert_kernel_keys(s, 64, variant=v, pdl=False)
+        assert name == f"wide@{v}" and up in built and down in built, (v, name)
+        assert mw.parse_wide_options(name.split("@")[1])[:2] == mw.parse_wide_options(v)[:2]
+        assert expert_kernel_keys(s, 8, variant=v)[2] == "pipe"  # they apply above 8 tokens only
+    for key in (mw.MoEUpWideKey(s, decoupled=False), mw.MoEDownWideKey(s, decoupled=False)):
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+        assert "bar.arrive" not in kc.ptx_text(key)
+    for key in (mw.MoEUpWideKey(s), mw.MoEDownWideKey(s)):  # the decoupled hand-over: named barriers' bar.arrive
+        assert "bar.arrive" in kc.ptx_text(key)
+
+
 def test_wide_expert_kernels_refuse_bad_keys():
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_wide as mw
@@ -2100,6 +2127,18 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
         assert r["all_written"] and r["check_ok"], (experts, r)
         if same:
             assert r["active_experts"] == 16, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wsync", "wst4"])
+@pytest.mark.parametrize("tokens", [9, 64, 512])
+def test_wide_options_match_the_reference(w8, variant, tokens):
+    """The synchronous hand-over ('wsync') and the deeper rings ('wst4') give the reference too."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
+    assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], (variant, r)
 
 
 @pytest.mark.gpu

@@ -31,16 +31,15 @@ from dataclasses import dataclass
 
 from .. import compile as kc
 from .moe import D, E, L, MAX_M, TOPK, MoEShape, shapes_for_tp
-from .moe_pipe import H200_SMS, PIPE_MAX_M, SB, SMEM_BUDGET, bulk_routing_tables, down_pipe_args, ring_init, \
-    routing_table_bytes
+from .moe_pipe import H200_SMS, PIPE_MAX_M, SB, SMEM_BUDGET, down_pipe_args, ring_init
 
 WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they are correct from one token)
-RBW = 128  # latent rows per expert item: 8 row groups of 16
 CHUNK = 8  # an expert's tokens per expert item: the mma's n
 SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
+RBW = 128  # latent rows per moe_down expert item: 8 row groups of 16
 ROW_GROUPS = RBW // 16
 KSPLIT = 2  # compute warps per row group, splitting K
-WARPS = ROW_GROUPS * KSPLIT  # compute warps; warp WARPS is the producer
+WARPS = ROW_GROUPS * KSPLIT  # moe_down's compute warps; warp WARPS is the producer
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 
 
@@ -53,6 +52,10 @@ class MoEDownWideKey:
     ctas: int = H200_SMS
     pdl: bool = False  # (fused_moe.PDL_MAX_TOKENS: PDL only at one token)
     decode: int = 3  # the pair decode's version (mxfp4_decode.VERSIONS)
+    # the compute warps hand each slot back on a named barrier of its own (bar.arrive: they go on to the next item)
+    # and the producer warp waits on it before the refill; the mma sums that meet in shared memory are
+    # double-buffered. False ('wsync'): a CTA barrier after every item
+    decoupled: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -65,12 +68,12 @@ class MoEDownWideKey:
         return 32 * (WARPS + 1)
 
 
-def slot_bytes(shape: MoEShape) -> tuple[int, int, int]:
+def slot_bytes(shape: MoEShape, rows: int = RBW) -> tuple[int, int, int]:
     """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
     rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
     I, S = shape.inter, shape.shared
-    w = max(RBW * I // 2, SH_ROWS * S * 2)
-    s = RBW * I // 32
+    w = max(rows * I // 2, SH_ROWS * S * 2)
+    s = rows * I // 32
     a = max(CHUNK * I * 2, CHUNK * S * 2)
     return w, s, a
 
@@ -79,16 +82,32 @@ def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
     """Dynamic shared memory of one CTA (each allocation rounded up to its 128-byte alignment)."""
     w, s, a = slot_bytes(key.shape)
     parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
-             4 * WARPS * 32 * 4,  # each compute warp's mma sums of an item
-             16, 4 * E, 8 * E, 4 * TOPK * MAX_M,  # meta and the routing tables
-             4 * TOPK * MAX_M,  # the routing weight of every pair
-             2 * 4 * MAX_CHUNKS,  # the chunk table: first pair, (expert, tokens)
+             (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4,  # each compute warp's mma sums of an item
+             *TABLE_PARTS,
              8 * key.stages + 8, 16]  # mbarriers; the chunk count and the completion flag
     return sum(-(-p // 128) * 128 for p in parts)
 
 
+# meta, the active experts, their (offset, count) lists, the chunk table (first pair; expert · 16 + tokens): what both
+# kernels keep in shared memory. The token ids and routing weights a chunk needs are read from global memory (L2)
+# when its item starts, so that nothing here grows with the tokens
+TABLE_PARTS = (16, 4 * E, 8 * E, 4 * MAX_CHUNKS, 4 * MAX_CHUNKS)
+TABLE_BYTES = 16 + 12 * E  # what the prologue's bulk copy brings: meta, active experts, lists
+
+
+def bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, bar):
+    """(one thread, traced inline) bulk-copy meta, the active experts and their lists into shared memory, completing
+    TABLE_BYTES on the mbarrier at address `bar`"""
+    from .ptx_ops import bulk_g2s
+
+    bulk = bulk_g2s()
+    bulk(s_meta.iterator.toint(), mMeta.iterator.toint(), 16, bar)
+    bulk(s_act.iterator.toint(), mAct.iterator.toint(), E * 4, bar)
+    bulk(s_list.iterator.toint(), mList.iterator.toint(), E * 8, bar)
+
+
 def check_key(key: MoEDownWideKey) -> None:
-    if key.shape.inter % SB or L % RBW or D % SH_ROWS:
+    if key.shape.inter % SB or D % SH_ROWS:
         raise ValueError(f"moe_down (wide) needs the intermediate slice in {SB}-code super-blocks, got {key.shape.inter}")
     if not 2 <= key.stages <= 6:
         raise ValueError(f"moe_down (wide) ring stages must be 2..6, got {key.stages}")
@@ -156,6 +175,10 @@ def build_down_wide(key: MoEDownWideKey):
     I, S, TP = sh.inter, sh.shared, sh.tp
     ST, G, PDL = key.stages, key.ctas, key.pdl
     RG, KS = ROW_GROUPS, KSPLIT
+    DEC = key.decoupled
+    NB = 2 if DEC else 1  # buffers of the mma sums that meet in shared memory
+    SLOT_BAR = 3  # (decoupled) named barriers SLOT_BAR .. SLOT_BAR + ST - 1: slot s handed back to the producer
+    assert SLOT_BAR + ST <= 16
     THREADS = key.threads
     REFILL = 32 * WARPS  # the producer warp's first thread streams the ring
     W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh)
@@ -233,6 +256,21 @@ def build_down_wide(key: MoEDownWideKey):
                 bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (CHUNK * S * 2), nt * (S * 2), b)
 
     @cute.jit
+    def hand_back(slot: Int32, warp: Int32):
+        """(all threads, inlined) the item in `slot` is done with: a CTA barrier, or (decoupled) the compute warps
+        arrive on the slot's named barrier and go on while the producer warp waits on it (its refill follows). A
+        compute warp's next arrival there is for the item ST later, which needs that refill: never a generation
+        early. The mma sums' buffer i % 2 is written again two items later, after every warp has passed the K
+        halves' barrier of the item between, which the warps that read it reach only after reading."""
+        if const_expr(DEC):
+            if warp < WARPS:
+                cute.arch.barrier_arrive(barrier_id=SLOT_BAR + slot, number_of_threads=32 * (WARPS + 1))
+            else:
+                cute.arch.barrier(barrier_id=SLOT_BAR + slot, number_of_threads=32 * (WARPS + 1))
+        else:
+            cute.arch.barrier()
+
+    @cute.jit
     def complete_row_block(rb: Int32, mine: Int32, nch: Int32, flag: cute.Tensor, mLat: cute.Tensor,
                            mCoef: cute.Tensor, mR: cute.Tensor, mNorm: cute.Tensor, mSsq: cute.Tensor,
                            mCnt: cute.Tensor, M: Int32, tid: Int32, warp: Int32, lane: Int32):
@@ -249,7 +287,7 @@ def build_down_wide(key: MoEDownWideKey):
         if flag[0] != 0:
             cute.arch.fence_acq_rel_gpu()
             lat = mLat.iterator.toint()
-            row = rb * RBW + 4 * lane
+            row = rb * RBW + 4 * lane  # (RBW == 128: a warp's 32 lanes × 4 rows)
             for t in cutlass.range(warp, M, WARPS + 1):
                 tots = [Float32(0.0)] * 4
                 for pc in cutlass.range_constexpr(0, TP, PEERS):  # PEERS ranks' loads in flight at once
@@ -285,12 +323,11 @@ def build_down_wide(key: MoEDownWideKey):
                                       byte_alignment=128)
         ring_a = smem.allocate_tensor(Int32, cute.make_layout((ST, A_SLOT // 4), stride=(A_SLOT // 4, 1)),
                                       byte_alignment=128)
-        kpart = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 32, 4), stride=(128, 4, 1)), byte_alignment=128)
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4), stride=(WARPS * 128, 128, 4, 1)),
+                                     byte_alignment=128)
         s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
-        s_we = smem.allocate_tensor(Float32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
         s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
         s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
@@ -310,18 +347,12 @@ def build_down_wide(key: MoEDownWideKey):
         ring_init()(bars, ST)  # (thread 0's fence covers pbar too; then a CTA barrier)
         # the routing tables come from moe_route: complete before this launch
         if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pbar, routing_table_bytes(M))
-            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pbar.toint())
+            cute.arch.mbarrier_arrive_and_expect_tx(pbar, TABLE_BYTES)
+            bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, pbar.toint())
         cute.arch.mbarrier_wait(pbar, 0)
         nact = s_meta[0]
         if warp == WARPS:  # the chunk table, by the producer warp
             chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane)
-        else:  # the routing weight of every (expert, token) pair
-            for idx in cutlass.range(tid, nact, 32 * WARPS):
-                e = s_act[idx]
-                off = s_list[idx, 0]
-                for q in cutlass.range(s_list[idx, 1]):
-                    s_we[off + q] = mWe[e, s_tok[off + q]]
         cute.arch.barrier()
         nch = flag[1]
         tt = (M + (CHUNK - 1)) // CHUNK  # shared items per shared row block (token tiles)
@@ -368,31 +399,35 @@ def build_down_wide(key: MoEDownWideKey):
                 rb = k // nch
                 ch = k - rb * nch
                 if warp < WARPS:
+                    # this lane's two tokens and their routing weights, read while the item computes (L2)
+                    info = s_cinfo[ch]
+                    n = info & 15
+                    p0 = s_cpair[ch]
+                    ts = [mTok[p0 + cutlass.min(2 * c + x, n - 1)] for x in range(2)]
+                    ws = [mWe[info >> 4, ts[x]] for x in range(2)]
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     r0 = 16 * (warp % RG) + g
                     for h in cutlass.range_constexpr(KS):
                         if warp // RG == h:
                             th = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[h])
                             for r in cutlass.range_constexpr(4):
-                                kpart[warp, lane, r] = th[r]
+                                kpart[i % NB, warp, lane, r] = th[r]
                     cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                    tot = [kpart[i % NB, warp % RG, lane, r] for r in range(4)]
+                    for h in cutlass.range_constexpr(1, KS):
+                        for r in cutlass.range_constexpr(4):
+                            tot[r] = tot[r] + kpart[i % NB, warp % RG + h * RG, lane, r]
                     if warp < RG:  # the row group's sums times the routing weights into the latent partial
-                        tot = [kpart[warp, lane, r] for r in range(4)]
-                        for h in cutlass.range_constexpr(1, KS):
-                            for r in cutlass.range_constexpr(4):
-                                tot[r] = tot[r] + kpart[warp + h * RG, lane, r]
-                        n = s_cinfo[ch] & 15
-                        p0 = s_cpair[ch]
                         for x in cutlass.range_constexpr(2):
                             if 2 * c + x < n:
-                                t = s_tok[p0 + 2 * c + x]
-                                w = s_we[p0 + 2 * c + x]
+                                t = ts[x]
+                                w = ws[x]
                                 o = t * L + rb * RBW + r0
                                 cute.arch.red(mLat.iterator + o, tot[x] * w, op="add", dtype=Float32, sem="relaxed",
                                               scope="gpu")
                                 cute.arch.red(mLat.iterator + (o + 8), tot[2 + x] * w, op="add", dtype=Float32,
                                               sem="relaxed", scope="gpu")
-                cute.arch.barrier()  # the slot is free
+                hand_back(slot, warp)
                 if tid == REFILL:
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
@@ -415,19 +450,19 @@ def build_down_wide(key: MoEDownWideKey):
                             acc = mma([sWd[slot, g, wo], sWd[slot, g + 8, wo], sWd[slot, g, wo + 4],
                                        sWd[slot, g + 8, wo + 4]], [sAs[slot, g, wo], sAs[slot, g, wo + 4]], acc)
                     for r in cutlass.range_constexpr(4):
-                        kpart[warp, lane, r] = acc[r]
+                        kpart[i % NB, warp, lane, r] = acc[r]
                     cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
                     if warp == 0:
-                        tot = [kpart[0, lane, r] for r in range(4)]
+                        tot = [kpart[i % NB, 0, lane, r] for r in range(4)]
                         for w_ in cutlass.range_constexpr(1, WARPS):
                             for r in cutlass.range_constexpr(4):
-                                tot[r] = tot[r] + kpart[w_, lane, r]
+                                tot[r] = tot[r] + kpart[i % NB, w_, lane, r]
                         for x in cutlass.range_constexpr(2):
                             t = CHUNK * t8 + 2 * c + x
                             if t < M:
                                 mSh[0, t, rsb * SH_ROWS + g] = tot[x].to(BFloat16)
                                 mSh[0, t, rsb * SH_ROWS + g + 8] = tot[2 + x].to(BFloat16)
-                cute.arch.barrier()
+                hand_back(slot, warp)
                 if tid == REFILL:
                     if i + ST < n_items:
                         cute.arch.fence_view_async_shared()
@@ -465,6 +500,10 @@ class MoEUpWideKey:
     ctas: int = H200_SMS
     pdl: bool = False
     decode: int = 3
+    # the producer warp also sums each item's K parts and applies SiTU (double-buffered), so the compute warps go on
+    # to the next item after writing their sums (bar.arrive) instead of meeting on a barrier and waiting for warp 0's
+    # epilogue and a CTA barrier. False ('wsync'): as moe_down's decoupled=False
+    decoupled: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -481,9 +520,8 @@ def up_wide_smem_bytes(key: MoEUpWideKey) -> int:
     w, s = up_slot_bytes(key.shape)
     parts = [key.stages * w, key.stages * s,
              CHUNK * L * 2,  # the chunk's z (bf16)
-             4 * UP_WARPS * 32 * 4,  # each compute warp's mma sums of an item
-             16, 4 * E, 8 * E, 4 * TOPK * MAX_M,  # meta and the routing tables
-             2 * 4 * MAX_CHUNKS,  # the chunk table
+             (2 if key.decoupled else 1) * 4 * UP_WARPS * 32 * 4,  # each compute warp's mma sums of an item
+             *TABLE_PARTS,
              8 * key.stages + 8, 16]
     return sum(-(-p // 128) * 128 for p in parts)
 
@@ -503,7 +541,7 @@ def build_up_wide(key: MoEUpWideKey):
     (`moe.expert_up_args`)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, Uint8, const_expr
+    from cutlass import BFloat16, Boolean, Constexpr, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import _situ, expert_up_args, shared_situ_and_zeroing
     from .moe_pipe import store_b_order, superblock_mma
@@ -522,6 +560,9 @@ def build_up_wide(key: MoEUpWideKey):
     WROW = L // 8
     NRB = I // UP_ROWS  # row blocks per expert
     Z0, BETA, BETA_LIN = sh.z0, sh.beta, sh.beta_lin
+    DEC = key.decoupled
+    NB = 2 if DEC else 1
+    EPI_READY, EPI_DONE = 4, 6  # (decoupled) named barriers 4 + b: sums of buffer b written; 6 + b: read
     bulk = bulk_g2s()
 
     @cute.jit
@@ -541,6 +582,24 @@ def build_up_wide(key: MoEUpWideKey):
         bulk(ds, mS1.iterator.toint() + Int64(row) * ROW_SC, UP_ROWS * ROW_SC, b)
         bulk(ds + UP_ROWS * ROW_SC, mS3.iterator.toint() + Int64(row) * ROW_SC, UP_ROWS * ROW_SC, b)
 
+    @cute.jit
+    def epilogue(kpart: cute.Tensor, b: Int32, lane: Int32, g: Int32, c: Int32, ch: Int32, rb: Int32,
+                 s_cinfo: cute.Tensor, s_cpair: cute.Tensor, mA: cute.Tensor, release: Boolean = False):
+        """(one warp, inlined) sum the compute warps' K parts of an item from buffer b, then (with `release`, decoupled)
+        give the buffer back on EPI_DONE + b, then SiTU of gate (row g) and up (row g + 8) of the chunk's tokens 2c,
+        2c + 1 into a"""
+        tot = [kpart[b, 0, lane, r] for r in range(4)]
+        for w_ in cutlass.range_constexpr(1, UP_WARPS):
+            for r in cutlass.range_constexpr(4):
+                tot[r] = tot[r] + kpart[b, w_, lane, r]
+        if release:
+            cute.arch.barrier_arrive(barrier_id=EPI_DONE + b, number_of_threads=CW + 32)
+        num = s_cinfo[ch] & 15
+        p0 = s_cpair[ch]
+        for x in cutlass.range_constexpr(2):
+            if 2 * c + x < num:
+                mA[p0 + 2 * c + x, rb * UP_ROWS + g] = _situ(tot[x], tot[2 + x], BETA, BETA_LIN).to(BFloat16)
+
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
                   mMeta: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mA: cute.Tensor,
@@ -556,12 +615,11 @@ def build_up_wide(key: MoEUpWideKey):
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2 * UP_ROWS, ROW_SC), stride=(S_SLOT, ROW_SC, 1)),
                                       byte_alignment=128)
         sz = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, L // 2), stride=(L // 2, 1)), byte_alignment=128)
-        kpart = smem.allocate_tensor(Float32, cute.make_layout((UP_WARPS, 32, 4), stride=(128, 4, 1)),
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, UP_WARPS, 32, 4), stride=(UP_WARPS * 128, 128, 4, 1)),
                                      byte_alignment=128)
         s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
         s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
-        s_tok = smem.allocate_tensor(Int32, cute.make_layout((TOPK * MAX_M,)), byte_alignment=128)
         s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
         s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
         bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
@@ -578,8 +636,8 @@ def build_up_wide(key: MoEUpWideKey):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(pbar, routing_table_bytes(M))
-            bulk_routing_tables(mMeta, mAct, mList, mTok, s_meta, s_act, s_list, s_tok, M, pbar.toint())
+            cute.arch.mbarrier_arrive_and_expect_tx(pbar, TABLE_BYTES)
+            bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, pbar.toint())
         # while the tables come: this CTA's share of the shared experts' SiTU and of zeroing the latent partial and
         # Σ r² that moe_down adds into
         shared_situ_and_zeroing()(mF, mAsh, mLat, mSsq, bx * THREADS + tid, G * THREADS, sh)
@@ -605,14 +663,17 @@ def build_up_wide(key: MoEUpWideKey):
             slot = i % ST
             ch = k // NRB
             rb = k - ch * NRB
+            b = i % NB
             if warp < UP_WARPS:
                 if ch != cur:  # a new chunk: its tokens' z as bf16 pairs in the mma's B order
+                    if const_expr(DEC):  # every compute warp is done with the previous chunk's z
+                        cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     p0 = s_cpair[ch]
                     num = s_cinfo[ch] & 15
                     for idx in cutlass.range(tid, num * (L // 8), CW):
                         r = idx // (L // 8)
                         o = idx - r * (L // 8)
-                        t = s_tok[p0 + r]
+                        t = mTok[p0 + r]  # (8 ids, cached after the first thread's load)
                         v0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
                         v1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
                         store_b_order(sz, r, o, [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]])
@@ -627,24 +688,34 @@ def build_up_wide(key: MoEUpWideKey):
                     sa = scale_pair(Int32(ring_s[slot, g, 4 * q + c]))
                     sb = scale_pair(Int32(ring_s[slot, g + UP_ROWS, 4 * q + c]))
                     acc = superblock_mma(acc, wa, wb, sa, sb, sB, g, 16 * q + 4 * c, key.decode)
-                for r in cutlass.range_constexpr(4):
-                    kpart[warp, lane, r] = acc[r]
-                cute.arch.barrier(barrier_id=2, number_of_threads=CW)
-                if warp == 0:  # gate (row g) and up (row g + 8) of tokens 2c, 2c + 1: SiTU into a
-                    tot = [kpart[0, lane, r] for r in range(4)]
-                    for w_ in cutlass.range_constexpr(1, UP_WARPS):
-                        for r in cutlass.range_constexpr(4):
-                            tot[r] = tot[r] + kpart[w_, lane, r]
-                    num = s_cinfo[ch] & 15
-                    p0 = s_cpair[ch]
-                    for x in cutlass.range_constexpr(2):
-                        if 2 * c + x < num:
-                            mA[p0 + 2 * c + x, rb * UP_ROWS + g] = _situ(tot[x], tot[2 + x], BETA, BETA_LIN).to(BFloat16)
-            cute.arch.barrier()  # the slot and kpart are free
-            if tid == REFILL:
-                if k + ST < hi:
-                    cute.arch.fence_view_async_shared()
-                    issue(k + ST, slot, s_cinfo, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                if const_expr(DEC):
+                    # buffer b was last read for item i - 2 (the producer warp's arrival below); then hand over the
+                    # sums, which also frees the slot. A warp's next arrival on EPI_READY + b is for item i + 2, after
+                    # the producer has synced on this one (its EPI_DONE arrival for item i comes after that sync)
+                    if i >= 2:
+                        cute.arch.barrier(barrier_id=EPI_DONE + b, number_of_threads=CW + 32)
+                    for r in cutlass.range_constexpr(4):
+                        kpart[b, warp, lane, r] = acc[r]
+                    cute.arch.barrier_arrive(barrier_id=EPI_READY + b, number_of_threads=CW + 32)
+                else:
+                    for r in cutlass.range_constexpr(4):
+                        kpart[0, warp, lane, r] = acc[r]
+                    cute.arch.barrier(barrier_id=2, number_of_threads=CW)
+                    if warp == 0:  # gate (row g) and up (row g + 8) of tokens 2c, 2c + 1: SiTU into a
+                        epilogue(kpart, 0, lane, g, c, ch, rb, s_cinfo, s_cpair, mA)
+            elif const_expr(DEC):  # the producer warp: the refill, then the item's epilogue
+                cute.arch.barrier(barrier_id=EPI_READY + b, number_of_threads=CW + 32)
+                if tid == REFILL:
+                    if k + ST < hi:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST, slot, s_cinfo, mW1, mS1, mW3, mS3, bars, w_base, s_base)
+                epilogue(kpart, b, lane, g, c, ch, rb, s_cinfo, s_cpair, mA, k - lo + 2 < hi - lo)
+            if const_expr(not DEC):
+                cute.arch.barrier()  # the slot and kpart are free
+                if tid == REFILL:
+                    if k + ST < hi:
+                        cute.arch.fence_view_async_shared()
+                        issue(k + ST, slot, s_cinfo, mW1, mS1, mW3, mS3, bars, w_base, s_base)
 
     @cute.jit
     def up_host(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -656,9 +727,55 @@ def build_up_wide(key: MoEUpWideKey):
     return up_host, expert_up_args(sh)
 
 
+def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
+    """Take the wide kernels' options out of a '-'-joined variant: (MoEUpWideKey fields, MoEDownWideKey fields, the
+    rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
+    kernels' ring slots), wupstN / wdownstN (one kernel's). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    import re
+
+    up, down, rest = {}, {}, []
+    for part in (text or "").split("-"):
+        m = re.fullmatch(r"w(up|down)?st(\d+)", part)
+        if part == "wsync":
+            up["decoupled"] = down["decoupled"] = False
+        elif m:
+            for kw in ((up, down) if m.group(1) is None else (up,) if m.group(1) == "up" else (down,)):
+                kw["stages"] = int(m.group(2))
+        elif part:
+            rest.append(part)
+    for kw, make, check in ((up, MoEUpWideKey, check_up_key), (down, MoEDownWideKey, check_key)):
+        if kw:
+            check(make(shapes_for_tp(8), **kw))
+    return up, down, "-".join(rest) or None
+
+
+def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
+    """'wide', or 'wide@' and the options that differ from the defaults (parse_wide_options' spelling)."""
+    parts = []
+    if not up.decoupled and not down.decoupled:
+        parts.append("wsync")
+    if up.stages == down.stages != MoEUpWideKey.stages:
+        parts.append(f"wst{up.stages}")
+    else:
+        if up.stages != MoEUpWideKey.stages:
+            parts.append(f"wupst{up.stages}")
+        if down.stages != MoEDownWideKey.stages:
+            parts.append(f"wdownst{down.stages}")
+    return "wide" + ("@" + "-".join(parts) if parts else "")
+
+
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4")  # built at TP8 without PDL (as the steps above 8 tokens run)
+
+
 def _aot_keys(make):
     def keys(arch: str):
-        return [make(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+        out = [make(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+        for v in AOT_WIDE_VARIANTS:
+            kw = parse_wide_options(v)[0 if make is MoEUpWideKey else 1]
+            key = make(shapes_for_tp(8), pdl=False, arch=arch, **kw)
+            if key not in out:
+                out.append(key)
+        return out
     return keys
 
 
@@ -670,4 +787,4 @@ UP_WIDE = kc.register(kc.KernelSpec(name="moe_up_wide", module=__name__, key_typ
                                     aot_keys=_aot_keys(MoEUpWideKey),
                                     ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "shfl.sync.up")))
 
-__all__ = ["MoEDownWideKey", "MoEUpWideKey", "up_wide_smem_bytes", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
+__all__ = ["MoEDownWideKey", "MoEUpWideKey", "up_wide_smem_bytes", "parse_wide_options", "wide_variant_name", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
