@@ -2079,6 +2079,7 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     from kimi_decode.kernels import moe as km
     from kimi_decode.kernels import moe_wide as mw
     assert mw.parse_wide_options("wsync-wupst4-pf1") == (dict(decoupled=False, stages=4), dict(decoupled=False), "pf1")
+    assert mw.parse_wide_options("wdownc16") == ({}, dict(chunk=16), None)
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):
         mw.parse_wide_options("wdownst5")
@@ -2130,10 +2131,11 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wst4"])
+@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
-    """The synchronous hand-over ('wsync') and the deeper rings ('wst4') give the reference too."""
+    """The synchronous hand-over ('wsync'), the deeper rings ('wst4') and moe_down's 16-token items ('wdownc16')
+    give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")

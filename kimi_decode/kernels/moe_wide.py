@@ -34,13 +34,16 @@ from .moe import D, E, L, MAX_M, TOPK, MoEShape, shapes_for_tp
 from .moe_pipe import H200_SMS, PIPE_MAX_M, SB, SMEM_BUDGET, down_pipe_args, ring_init
 
 WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they are correct from one token)
-CHUNK = 8  # an expert's tokens per expert item: the mma's n
+CHUNK = 8  # an expert's tokens per item: the mma's n (moe_down: `chunk`, 8 or 16 as two column tiles)
+SH_TOKENS = 8  # tokens per moe_down shared item
 SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
 RBW = 128  # latent rows per moe_down expert item: 8 row groups of 16
 ROW_GROUPS = RBW // 16
 KSPLIT = 2  # compute warps per row group, splitting K
 WARPS = ROW_GROUPS * KSPLIT  # moe_down's compute warps; warp WARPS is the producer
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
+INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
+INFO_MASK = (1 << INFO_SHIFT) - 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class MoEDownWideKey:
     # and the producer warp waits on it before the refill; the mma sums that meet in shared memory are
     # double-buffered. False ('wsync'): a CTA barrier after every item
     decoupled: bool = True
+    # an expert's tokens per item ('wdownc16'): 8 (one mma column tile) or 16 (two tiles from one decode of the item's
+    # codes: an expert with 9-16 tokens reads its rows once instead of twice)
+    chunk: int = CHUNK
     arch: str = "sm_90a"
 
     @property
@@ -68,21 +74,21 @@ class MoEDownWideKey:
         return 32 * (WARPS + 1)
 
 
-def slot_bytes(shape: MoEShape, rows: int = RBW) -> tuple[int, int, int]:
+def slot_bytes(shape: MoEShape, chunk: int = CHUNK) -> tuple[int, int, int]:
     """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
     rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
     I, S = shape.inter, shape.shared
-    w = max(rows * I // 2, SH_ROWS * S * 2)
-    s = rows * I // 32
-    a = max(CHUNK * I * 2, CHUNK * S * 2)
+    w = max(RBW * I // 2, SH_ROWS * S * 2)
+    s = RBW * I // 32
+    a = max(chunk * I * 2, SH_TOKENS * S * 2)
     return w, s, a
 
 
 def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
     """Dynamic shared memory of one CTA (each allocation rounded up to its 128-byte alignment)."""
-    w, s, a = slot_bytes(key.shape)
+    w, s, a = slot_bytes(key.shape, key.chunk)
     parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
-             (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4,  # each compute warp's mma sums of an item
+             (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4 * key.chunk // CHUNK,  # each compute warp's mma sums
              *TABLE_PARTS,
              8 * key.stages + 8, 16]  # mbarriers; the chunk count and the completion flag
     return sum(-(-p // 128) * 128 for p in parts)
@@ -109,6 +115,8 @@ def bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, bar):
 def check_key(key: MoEDownWideKey) -> None:
     if key.shape.inter % SB or D % SH_ROWS:
         raise ValueError(f"moe_down (wide) needs the intermediate slice in {SB}-code super-blocks, got {key.shape.inter}")
+    if key.chunk not in (CHUNK, 2 * CHUNK):
+        raise ValueError(f"moe_down (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
     if not 2 <= key.stages <= 6:
         raise ValueError(f"moe_down (wide) ring stages must be 2..6, got {key.stages}")
     if down_wide_smem_bytes(key) > SMEM_BUDGET:
@@ -120,19 +128,19 @@ _CHUNKS = None
 
 
 def chunk_table():
-    """`@cute.jit` chunk_table()(s_act, s_list, s_cpair, s_cinfo, out, nact, lane), one warp: the chunks of the step
-    (up to CHUNK tokens of one active expert each, in expert order) from the routing tables in shared memory, by a
+    """`@cute.jit` chunk_table()(s_act, s_list, s_cpair, s_cinfo, out, nact, lane, CH), one warp: the chunks of the
+    step (up to CH tokens of one active expert each, in expert order) from the routing tables in shared memory, by a
     scan over the active experts' chunk counts 32 at a time. Chunk c: s_cpair[c] its first (expert, token) pair,
-    s_cinfo[c] = expert id · 16 + its token count; out[1] the number of chunks (lane 0)."""
+    s_cinfo[c] = expert id << INFO_SHIFT | its token count; out[1] the number of chunks (lane 0)."""
     global _CHUNKS
     if _CHUNKS is None:
         import cutlass
         import cutlass.cute as cute
-        from cutlass import Int32
+        from cutlass import Constexpr, Int32
 
         @cute.jit
         def table(s_act: cute.Tensor, s_list: cute.Tensor, s_cpair: cute.Tensor, s_cinfo: cute.Tensor,
-                  out: cute.Tensor, nact: Int32, lane: Int32):
+                  out: cute.Tensor, nact: Int32, lane: Int32, CH: Constexpr = CHUNK):
             run = Int32(0)
             for base in cutlass.range(0, nact, 32):
                 j = base + lane
@@ -143,7 +151,7 @@ def chunk_table():
                     e = s_act[j]
                     off = s_list[j, 0]
                     num = s_list[j, 1]
-                nc = (num + (CHUNK - 1)) // CHUNK
+                nc = (num + (CH - 1)) // CH
                 inc = nc
                 for d in cutlass.range_constexpr(5):  # inclusive scan of the 32 lanes' counts
                     y = cute.arch.shuffle_sync_up(inc, 1 << d)
@@ -151,8 +159,8 @@ def chunk_table():
                         inc = inc + y
                 start = run + inc - nc
                 for p in cutlass.range(nc):
-                    s_cpair[start + p] = off + CHUNK * p
-                    s_cinfo[start + p] = e * 16 + cutlass.min(num - CHUNK * p, CHUNK)
+                    s_cpair[start + p] = off + CH * p
+                    s_cinfo[start + p] = (e << INFO_SHIFT) | cutlass.min(num - CH * p, CH)
                 run = run + cute.arch.shuffle_sync(inc, 31)
             if lane == 0:
                 out[1] = run
@@ -181,7 +189,9 @@ def build_down_wide(key: MoEDownWideKey):
     assert SLOT_BAR + ST <= 16
     THREADS = key.threads
     REFILL = 32 * WARPS  # the producer warp's first thread streams the ring
-    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh)
+    CH = key.chunk
+    NT = CH // CHUNK  # the mma's column tiles per expert item
+    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh, CH)
     W_BYTES = RBW * I // 2  # an expert item's codes
     SH_BYTES = SH_ROWS * S * 2  # a shared item's rows
     WROW, SROW = I // 8, I // 32  # code words and scale bytes per W2 row
@@ -206,21 +216,22 @@ def build_down_wide(key: MoEDownWideKey):
 
     def expert_rows(gW, ring_s, gA, slot, r0, c, g, part):
         """(traced inline) a lane's mma sums over its K half for rows r0 and r0 + 8 of the item in `slot`, B column g
-        (the chunk's g-th token) from the slot's a rows"""
-        tot = [Float32(0.0)] * 4
+        of each column tile j (the chunk's token 8j + g) from the slot's a rows: 4 · NT sums, tile-major"""
+        tot = [Float32(0.0)] * (4 * NT)
         for q, b0, b1 in part:
-            acc = [Float32(0.0)] * 4
+            acc = [[Float32(0.0)] * 4 for _ in range(NT)]
             wa = gW[(None, (slot, r0, 4 * q + c))].load()
             wb = gW[(None, (slot, r0 + 8, 4 * q + c))].load()
             sa = scale_pair(Int32(ring_s[slot, r0, 4 * q + c]))
             sb = scale_pair(Int32(ring_s[slot, r0 + 8, 4 * q + c]))
             for bb in range(b0, b1):
-                b = b_order(gA[(None, (slot, g, 16 * q + 4 * c + bb))].load())
                 pa = pairs(wa[bb], sa)
                 pb = pairs(wb[bb], sb)
-                for s in range(2):
-                    acc = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [b[2 * s], b[2 * s + 1]], acc)
-            tot = [tot[r] + acc[r] for r in range(4)]
+                for j in range(NT):  # one decode, NT column tiles
+                    b = b_order(gA[(None, (slot, CHUNK * j + g, 16 * q + 4 * c + bb))].load())
+                    for s in range(2):
+                        acc[j] = mma([pa[s], pb[s], pa[s + 2], pb[s + 2]], [b[2 * s], b[2 * s + 1]], acc[j])
+            tot = [tot[4 * j + r] + acc[j][r] for j in range(NT) for r in range(4)]
         return tot
 
     @cute.jit
@@ -236,10 +247,10 @@ def build_down_wide(key: MoEDownWideKey):
             rb = k // nch
             ch = k - rb * nch
             info = s_cinfo[ch]
-            n = info & 15
+            n = info & INFO_MASK
             if const_expr(WEIGHTS):
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, W_BYTES + RBW * SROW + n * (I * 2))
-                row = (info >> 4) * L + rb * RBW
+                row = (info >> INFO_SHIFT) * L + rb * RBW
                 bulk(w_base + slot * W_SLOT, mW2.iterator.toint() + Int64(row) * (WROW * 4), W_BYTES, b)
                 bulk(s_base + slot * S_SLOT, mS2.iterator.toint() + Int64(row) * SROW, RBW * SROW, b)
             if const_expr(ACTS):
@@ -248,12 +259,12 @@ def build_down_wide(key: MoEDownWideKey):
             s_ = k - ne
             rsb = s_ // tt
             t8 = s_ - rsb * tt
-            nt = cutlass.min(M - CHUNK * t8, CHUNK)
+            nt = cutlass.min(M - SH_TOKENS * t8, SH_TOKENS)
             if const_expr(WEIGHTS):
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, SH_BYTES + nt * (S * 2))
                 bulk(w_base + slot * W_SLOT, mWd.iterator.toint() + Int64(rsb) * SH_BYTES, SH_BYTES, b)
             if const_expr(ACTS):
-                bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (CHUNK * S * 2), nt * (S * 2), b)
+                bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (SH_TOKENS * S * 2), nt * (S * 2), b)
 
     @cute.jit
     def hand_back(slot: Int32, warp: Int32):
@@ -323,7 +334,8 @@ def build_down_wide(key: MoEDownWideKey):
                                       byte_alignment=128)
         ring_a = smem.allocate_tensor(Int32, cute.make_layout((ST, A_SLOT // 4), stride=(A_SLOT // 4, 1)),
                                       byte_alignment=128)
-        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4), stride=(WARPS * 128, 128, 4, 1)),
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4 * NT),
+                                                               stride=(WARPS * 128 * NT, 128 * NT, 4 * NT, 1)),
                                      byte_alignment=128)
         s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
         s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
@@ -338,9 +350,9 @@ def build_down_wide(key: MoEDownWideKey):
         gW = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout(
             (ST, RBW, WROW), stride=(W_SLOT // 4, WROW, 1))), (1, 1, 4))
         gA = cute.zipped_divide(cute.make_tensor(ring_a.iterator, cute.make_layout(
-            (ST, CHUNK, I // 2), stride=(A_SLOT // 4, I // 2, 1))), (1, 1, 4))
+            (ST, CH, I // 2), stride=(A_SLOT // 4, I // 2, 1))), (1, 1, 4))
         sWd = cute.make_tensor(ring_w.iterator, cute.make_layout((ST, SH_ROWS, S // 2), stride=(W_SLOT // 4, S // 2, 1)))
-        sAs = cute.make_tensor(ring_a.iterator, cute.make_layout((ST, CHUNK, S // 2), stride=(A_SLOT // 4, S // 2, 1)))
+        sAs = cute.make_tensor(ring_a.iterator, cute.make_layout((ST, SH_TOKENS, S // 2), stride=(A_SLOT // 4, S // 2, 1)))
 
         if tid == 0:
             cute.arch.mbarrier_init(pbar, 1)
@@ -352,10 +364,10 @@ def build_down_wide(key: MoEDownWideKey):
         cute.arch.mbarrier_wait(pbar, 0)
         nact = s_meta[0]
         if warp == WARPS:  # the chunk table, by the producer warp
-            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane)
+            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane, CH)
         cute.arch.barrier()
         nch = flag[1]
-        tt = (M + (CHUNK - 1)) // CHUNK  # shared items per shared row block (token tiles)
+        tt = (M + (SH_TOKENS - 1)) // SH_TOKENS  # shared items per shared row block (token tiles)
         ne = NBD * nch
         nsh = NSHB * tt
         # this CTA's items: a run of expert items, then a run of shared items; the expert items' extras to CTAs
@@ -401,32 +413,34 @@ def build_down_wide(key: MoEDownWideKey):
                 if warp < WARPS:
                     # this lane's two tokens and their routing weights, read while the item computes (L2)
                     info = s_cinfo[ch]
-                    n = info & 15
+                    n = info & INFO_MASK
                     p0 = s_cpair[ch]
-                    ts = [mTok[p0 + cutlass.min(2 * c + x, n - 1)] for x in range(2)]
-                    ws = [mWe[info >> 4, ts[x]] for x in range(2)]
+                    cols = [CHUNK * j + 2 * c + x for j in range(NT) for x in range(2)]  # tile-major, as the sums
+                    ts = [mTok[p0 + cutlass.min(col, n - 1)] for col in cols]
+                    ws = [mWe[info >> INFO_SHIFT, t_] for t_ in ts]
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     r0 = 16 * (warp % RG) + g
                     for h in cutlass.range_constexpr(KS):
                         if warp // RG == h:
                             th = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[h])
-                            for r in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(4 * NT):
                                 kpart[i % NB, warp, lane, r] = th[r]
                     cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
-                    tot = [kpart[i % NB, warp % RG, lane, r] for r in range(4)]
+                    tot = [kpart[i % NB, warp % RG, lane, r] for r in range(4 * NT)]
                     for h in cutlass.range_constexpr(1, KS):
-                        for r in cutlass.range_constexpr(4):
+                        for r in cutlass.range_constexpr(4 * NT):
                             tot[r] = tot[r] + kpart[i % NB, warp % RG + h * RG, lane, r]
                     if warp < RG:  # the row group's sums times the routing weights into the latent partial
-                        for x in cutlass.range_constexpr(2):
-                            if 2 * c + x < n:
-                                t = ts[x]
-                                w = ws[x]
-                                o = t * L + rb * RBW + r0
-                                cute.arch.red(mLat.iterator + o, tot[x] * w, op="add", dtype=Float32, sem="relaxed",
-                                              scope="gpu")
-                                cute.arch.red(mLat.iterator + (o + 8), tot[2 + x] * w, op="add", dtype=Float32,
-                                              sem="relaxed", scope="gpu")
+                        for j in cutlass.range_constexpr(NT):
+                            for x in cutlass.range_constexpr(2):
+                                if CHUNK * j + 2 * c + x < n:
+                                    t = ts[2 * j + x]
+                                    w = ws[2 * j + x]
+                                    o = t * L + rb * RBW + r0
+                                    cute.arch.red(mLat.iterator + o, tot[4 * j + x] * w, op="add", dtype=Float32,
+                                                  sem="relaxed", scope="gpu")
+                                    cute.arch.red(mLat.iterator + (o + 8), tot[4 * j + 2 + x] * w, op="add",
+                                                  dtype=Float32, sem="relaxed", scope="gpu")
                 hand_back(slot, warp)
                 if tid == REFILL:
                     if i + ST < n_items:
@@ -458,7 +472,7 @@ def build_down_wide(key: MoEDownWideKey):
                             for r in cutlass.range_constexpr(4):
                                 tot[r] = tot[r] + kpart[i % NB, w_, lane, r]
                         for x in cutlass.range_constexpr(2):
-                            t = CHUNK * t8 + 2 * c + x
+                            t = SH_TOKENS * t8 + 2 * c + x
                             if t < M:
                                 mSh[0, t, rsb * SH_ROWS + g] = tot[x].to(BFloat16)
                                 mSh[0, t, rsb * SH_ROWS + g + 8] = tot[2 + x].to(BFloat16)
@@ -573,7 +587,7 @@ def build_up_wide(key: MoEUpWideKey):
         bar = bars.iterator + slot
         b = bar.toint()
         ch = k // NRB
-        row = (s_cinfo[ch] >> 4) * I + (k - ch * NRB) * UP_ROWS
+        row = (s_cinfo[ch] >> INFO_SHIFT) * I + (k - ch * NRB) * UP_ROWS
         cute.arch.mbarrier_arrive_and_expect_tx(bar, W_SLOT + S_SLOT)
         dw = w_base + slot * W_SLOT
         ds = s_base + slot * S_SLOT
@@ -594,7 +608,7 @@ def build_up_wide(key: MoEUpWideKey):
                 tot[r] = tot[r] + kpart[b, w_, lane, r]
         if release:
             cute.arch.barrier_arrive(barrier_id=EPI_DONE + b, number_of_threads=CW + 32)
-        num = s_cinfo[ch] & 15
+        num = s_cinfo[ch] & INFO_MASK
         p0 = s_cpair[ch]
         for x in cutlass.range_constexpr(2):
             if 2 * c + x < num:
@@ -669,7 +683,7 @@ def build_up_wide(key: MoEUpWideKey):
                     if const_expr(DEC):  # every compute warp is done with the previous chunk's z
                         cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     p0 = s_cpair[ch]
-                    num = s_cinfo[ch] & 15
+                    num = s_cinfo[ch] & INFO_MASK
                     for idx in cutlass.range(tid, num * (L // 8), CW):
                         r = idx // (L // 8)
                         o = idx - r * (L // 8)
@@ -730,7 +744,8 @@ def build_up_wide(key: MoEUpWideKey):
 def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     """Take the wide kernels' options out of a '-'-joined variant: (MoEUpWideKey fields, MoEDownWideKey fields, the
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
-    kernels' ring slots), wupstN / wdownstN (one kernel's). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
+    item). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -738,6 +753,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
         m = re.fullmatch(r"w(up|down)?st(\d+)", part)
         if part == "wsync":
             up["decoupled"] = down["decoupled"] = False
+        elif part == "wdownc16":
+            down["chunk"] = 2 * CHUNK
         elif m:
             for kw in ((up, down) if m.group(1) is None else (up,) if m.group(1) == "up" else (down,)):
                 kw["stages"] = int(m.group(2))
@@ -761,10 +778,12 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
             parts.append(f"wupst{up.stages}")
         if down.stages != MoEDownWideKey.stages:
             parts.append(f"wdownst{down.stages}")
+    if down.chunk != MoEDownWideKey.chunk:
+        parts.append(f"wdownc{down.chunk}")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
