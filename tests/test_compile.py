@@ -141,6 +141,35 @@ def test_build_reuses_unchanged_kernels_and_recompiles_changed_ones(built, tmp_p
     assert any("nothing to reuse" in line for line in logs) and not any("reused" in line for line in logs)
 
 
+def test_bundle_packs_its_kernels_and_reuses_them_from_the_archive(built, tmp_path):
+    """A bundle carries its artifacts folder as one solid xz tar (`bundle.pack_kernels`): unpacked, every file comes
+    back byte-identical under artifacts/, a member outside it is refused, and `--reuse` of a bundle folder reads the
+    kernels from its archive."""
+    import io
+    import lzma
+    import tarfile
+
+    from kimi_decode.bundle import KERNEL_ARCHIVE, build_artifacts, pack_kernels, unpack_kernels
+    out, key, _ = built
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    pack_kernels(out, bundle / KERNEL_ARCHIVE)
+    back = unpack_kernels(bundle / KERNEL_ARCHIVE, tmp_path / "unpacked")
+    files = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(back) for p in back.rglob("*") if p.is_file())
+    assert all((back / f).read_bytes() == (out / f).read_bytes() for f in files)
+    logs = []
+    m = build_artifacts(ARCH, tmp_path / "again", keys=[key], log=logs.append, reuse=bundle)
+    assert "1 of 1 kernels reused, 0 compiled" in logs[-1] and len(m["kernels"]) == 1
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("elsewhere/x")
+        tar.addfile(info, io.BytesIO(b""))
+    (tmp_path / "bad.tar.xz").write_bytes(lzma.compress(buf.getvalue()))
+    with pytest.raises(ValueError, match="unexpected member"):
+        unpack_kernels(tmp_path / "bad.tar.xz", tmp_path / "bad")
+
+
 def test_artifact_loads_without_compiler(built, monkeypatch):
     """The .so opens through TVM-FFI (no GPU needed to load it)."""
     out, key, _ = built

@@ -2080,6 +2080,8 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     from kimi_decode.kernels import moe_wide as mw
     assert mw.parse_wide_options("wsync-wupst4-pf1") == (dict(decoupled=False, stages=4), dict(decoupled=False), "pf1")
     assert mw.parse_wide_options("wdownc16") == ({}, dict(chunk=16), None)
+    assert mw.parse_wide_options("wdownr256") == ({}, dict(rows=256, stages=2), None)
+    assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):
         mw.parse_wide_options("wdownst5")
@@ -2131,11 +2133,11 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16"])
+@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16", "wdownr256"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
-    """The synchronous hand-over ('wsync'), the deeper rings ('wst4') and moe_down's 16-token items ('wdownc16')
-    give the reference too."""
+    """The synchronous hand-over ('wsync'), the deeper rings ('wst4'), moe_down's 16-token items ('wdownc16') and its
+    256-row items ('wdownr256') give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")

@@ -37,10 +37,9 @@ WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they a
 CHUNK = 8  # an expert's tokens per item: the mma's n (moe_down: `chunk`, 8 or 16 as two column tiles)
 SH_TOKENS = 8  # tokens per moe_down shared item
 SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
-RBW = 128  # latent rows per moe_down expert item: 8 row groups of 16
-ROW_GROUPS = RBW // 16
-KSPLIT = 2  # compute warps per row group, splitting K
-WARPS = ROW_GROUPS * KSPLIT  # moe_down's compute warps; warp WARPS is the producer
+RBW = 128  # latent rows per moe_down expert item (default): 8 row groups of 16, two warps each splitting K
+WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
+DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item ('wdownr256': 16 row groups, one warp each, all of K)
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
@@ -62,31 +61,39 @@ class MoEDownWideKey:
     # an expert's tokens per item ('wdownc16'): 8 (one mma column tile) or 16 (two tiles from one decode of the item's
     # codes: an expert with 9-16 tokens reads its rows once instead of twice)
     chunk: int = CHUNK
+    # latent rows per expert item ('wdownr256', with 2 ring slots of twice the bytes): 128, each 16 rows taken by two
+    # warps that split K and meet in shared memory, or 256, each 16 rows by one warp with all of K, which adds its
+    # sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert item)
+    rows: int = RBW
     arch: str = "sm_90a"
 
     @property
     def rows_per_item(self) -> int:
         """Latent rows per completion counter (the executor sizes its counters by it)."""
-        return RBW
+        return self.rows
+
+    @property
+    def ksplit(self) -> int:
+        return WARPS * 16 // self.rows
 
     @property
     def threads(self) -> int:
         return 32 * (WARPS + 1)
 
 
-def slot_bytes(shape: MoEShape, chunk: int = CHUNK) -> tuple[int, int, int]:
+def slot_bytes(shape: MoEShape, chunk: int = CHUNK, rows: int = RBW) -> tuple[int, int, int]:
     """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
     rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
     I, S = shape.inter, shape.shared
-    w = max(RBW * I // 2, SH_ROWS * S * 2)
-    s = RBW * I // 32
+    w = max(rows * I // 2, SH_ROWS * S * 2)
+    s = rows * I // 32
     a = max(chunk * I * 2, SH_TOKENS * S * 2)
     return w, s, a
 
 
 def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
     """Dynamic shared memory of one CTA (each allocation rounded up to its 128-byte alignment)."""
-    w, s, a = slot_bytes(key.shape, key.chunk)
+    w, s, a = slot_bytes(key.shape, key.chunk, key.rows)
     parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
              (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4 * key.chunk // CHUNK,  # each compute warp's mma sums
              *TABLE_PARTS,
@@ -115,6 +122,8 @@ def bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, bar):
 def check_key(key: MoEDownWideKey) -> None:
     if key.shape.inter % SB or D % SH_ROWS:
         raise ValueError(f"moe_down (wide) needs the intermediate slice in {SB}-code super-blocks, got {key.shape.inter}")
+    if key.rows not in DOWN_ROWS:
+        raise ValueError(f"moe_down (wide) rows per item must be one of {DOWN_ROWS}, got {key.rows}")
     if key.chunk not in (CHUNK, 2 * CHUNK):
         raise ValueError(f"moe_down (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
     if not 2 <= key.stages <= 6:
@@ -182,7 +191,8 @@ def build_down_wide(key: MoEDownWideKey):
     sh = key.shape
     I, S, TP = sh.inter, sh.shared, sh.tp
     ST, G, PDL = key.stages, key.ctas, key.pdl
-    RG, KS = ROW_GROUPS, KSPLIT
+    RBW, KS = key.rows, key.ksplit
+    RG = RBW // 16  # row groups of 16 rows
     DEC = key.decoupled
     NB = 2 if DEC else 1  # buffers of the mma sums that meet in shared memory
     SLOT_BAR = 3  # (decoupled) named barriers SLOT_BAR .. SLOT_BAR + ST - 1: slot s handed back to the producer
@@ -191,7 +201,7 @@ def build_down_wide(key: MoEDownWideKey):
     REFILL = 32 * WARPS  # the producer warp's first thread streams the ring
     CH = key.chunk
     NT = CH // CHUNK  # the mma's column tiles per expert item
-    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh, CH)
+    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh, CH, RBW)
     W_BYTES = RBW * I // 2  # an expert item's codes
     SH_BYTES = SH_ROWS * S * 2  # a shared item's rows
     WROW, SROW = I // 8, I // 32  # code words and scale bytes per W2 row
@@ -298,8 +308,9 @@ def build_down_wide(key: MoEDownWideKey):
         if flag[0] != 0:
             cute.arch.fence_acq_rel_gpu()
             lat = mLat.iterator.toint()
-            row = rb * RBW + 4 * lane  # (RBW == 128: a warp's 32 lanes × 4 rows)
-            for t in cutlass.range(warp, M, WARPS + 1):
+            for u in cutlass.range(warp, M * (RBW // 128), WARPS + 1):  # (token, 128 rows): 32 lanes × 4 rows
+                t = u // (RBW // 128)
+                row = rb * RBW + 128 * (u - t * (RBW // 128)) + 4 * lane
                 tots = [Float32(0.0)] * 4
                 for pc in cutlass.range_constexpr(0, TP, PEERS):  # PEERS ranks' loads in flight at once
                     parts = [ld4(lat + Int64((p_ * M + t) * L + row) * 4) for p_ in range(pc, pc + PEERS)]
@@ -420,16 +431,19 @@ def build_down_wide(key: MoEDownWideKey):
                     ws = [mWe[info >> INFO_SHIFT, t_] for t_ in ts]
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     r0 = 16 * (warp % RG) + g
-                    for h in cutlass.range_constexpr(KS):
-                        if warp // RG == h:
-                            th = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[h])
+                    if const_expr(KS == 1):  # all of K: this warp's rows are complete
+                        tot = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[0])
+                    else:
+                        for h in cutlass.range_constexpr(KS):
+                            if warp // RG == h:
+                                th = expert_rows(gW, ring_s, gA, slot, r0, c, g, KPARTS[h])
+                                for r in cutlass.range_constexpr(4 * NT):
+                                    kpart[i % NB, warp, lane, r] = th[r]
+                        cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                        tot = [kpart[i % NB, warp % RG, lane, r] for r in range(4 * NT)]
+                        for h in cutlass.range_constexpr(1, KS):
                             for r in cutlass.range_constexpr(4 * NT):
-                                kpart[i % NB, warp, lane, r] = th[r]
-                    cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
-                    tot = [kpart[i % NB, warp % RG, lane, r] for r in range(4 * NT)]
-                    for h in cutlass.range_constexpr(1, KS):
-                        for r in cutlass.range_constexpr(4 * NT):
-                            tot[r] = tot[r] + kpart[i % NB, warp % RG + h * RG, lane, r]
+                                tot[r] = tot[r] + kpart[i % NB, warp % RG + h * RG, lane, r]
                     if warp < RG:  # the row group's sums times the routing weights into the latent partial
                         for j in cutlass.range_constexpr(NT):
                             for x in cutlass.range_constexpr(2):
@@ -755,6 +769,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
+        elif part == "wdownr256":  # twice the bytes per slot: two slots
+            down["rows"], down["stages"] = 256, down.get("stages", 2)
         elif m:
             for kw in ((up, down) if m.group(1) is None else (up,) if m.group(1) == "up" else (down,)):
                 kw["stages"] = int(m.group(2))
@@ -771,19 +787,22 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     parts = []
     if not up.decoupled and not down.decoupled:
         parts.append("wsync")
-    if up.stages == down.stages != MoEUpWideKey.stages:
+    down_default = 2 if down.rows != RBW else MoEDownWideKey.stages  # (wdownr256 brings two slots)
+    if up.stages == down.stages != MoEUpWideKey.stages and down_default == MoEDownWideKey.stages:
         parts.append(f"wst{up.stages}")
     else:
         if up.stages != MoEUpWideKey.stages:
             parts.append(f"wupst{up.stages}")
-        if down.stages != MoEDownWideKey.stages:
+        if down.stages != down_default:
             parts.append(f"wdownst{down.stages}")
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
+    if down.rows != MoEDownWideKey.rows:
+        parts.append(f"wdownr{down.rows}")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16", "wdownr256")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
