@@ -1,32 +1,41 @@
-"""moe_down above 8 tokens: a persistent bulk-copy ring on tensor cores whose activations ride in the ring.
+"""The MoE half's expert kernels above 8 tokens: persistent bulk-copy rings on tensor cores over chunks of tokens.
 
 The pipelined expert kernels (`moe_pipe.py`) stage every (expert, token) pair's activations in shared memory
 once per CTA, which holds 8 tokens (128 pairs of a rows, 96 KB at TP8). Above that the step took the direct
-kernels (`moe.MoEDownKey`: a CTA per 16 latent rows, CUDA cores, every code decoded again for each token),
-which ran at about a fifth of the copy bandwidth (666 µs at batch 64 on an H100, run 74).
+kernels (`moe.MoEUpKey`, `moe.MoEDownKey`: a CTA per expert row block, CUDA cores, every code decoded again for
+each token), which ran at a fifth to a third of the copy bandwidth (604 and 666 µs at batch 64 on an H100, run 74).
 
-Here an expert item is (128 latent rows of W2, one chunk of up to 8 of the expert's tokens): the chunk's a
-rows (contiguous in `a`, which is grouped by expert) come into the same ring slot as the item's codes and
-scales, by one more bulk copy. Items are ordered (row block, chunk), so one expert's W2 rows are read once
-per step whenever it has at most 8 tokens (the case at batch 64 × 1 token: about 1.7 tokens per active
-expert); an expert with more tokens has one chunk per 8 and its rows are read once per chunk. Each CTA
-builds the chunk table from the routing tables in its prologue (a warp-wide scan over the active experts).
+Here both kernels walk items of one **chunk** (up to 8 of one expert's tokens: the mma's 8 B columns) through a
+ring of `stages` slots, one persistent CTA per SM, as moe_pipe's do. Each CTA builds the chunk table from the
+routing tables in its prologue (one warp's scan over the active experts, `chunk_table`); an expert with more than
+8 tokens has one chunk per 8 and its rows are read once per chunk (at batch 64 × 1 token an active expert has
+about 1.7 tokens).
 
-The arithmetic is moe_pipe's: 16 compute warps, 8 row groups of 16 rows (an mma.sync m16n8k16 A operand
-decoded from MXFP4 straight to bf16 pairs) × 2 halves of K that meet in shared memory, the chunk's tokens as
-the 8 B columns. a stays in its natural order in the slot and is permuted into the mma's B order in
-registers (two masks per bf16 pair). Each (row, token) sum times the routing weight is added into the
-rank's fp32 latent partial with red.add (no per-CTA row-block sum, so nothing here grows with the tokens
-but the routing tables); at the CTA's last item of a row block it fences and adds its item count to the
-row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
-peers'), stores r ⊙ w_norm and adds Σ r² per token, as moe_pipe's moe_down.
+moe_up (`MoEUpWideKey`): an item is (chunk, 8 intermediate rows), in chunk order: 8 rows of W1 and 8 of W3 as the
+16 rows of an mma.sync m16n8k16 A operand decoded from MXFP4 straight to bf16 pairs, 14 warps splitting K. The
+chunk's z (8 tokens × 7 KB) is too large for the slots: a CTA stages it in shared memory (bf16, the mma's B order)
+when its items reach a new chunk, about 5 times a CTA at batch 64. `decoupled`: the producer warp, which streams
+the ring, also sums the warps' K parts and applies SiTU (double-buffered, on named barriers), so the compute warps
+go on to the next item. Each CTA also does its share of the shared experts' SiTU and of zeroing the latent partial
+and Σ r² (as the direct moe_up).
 
-A shared item is 16 rows of the shared experts' down projection (bf16) against up to 8 tokens' a_shared,
-both in the slot; its K is split over the 16 compute warps. Shared items come after a CTA's expert items.
-Arguments are moe_pipe's moe_down's (`moe_pipe.down_pipe_args`): the executor calls either the same way.
+moe_down (`MoEDownWideKey`): an expert item is (128 latent rows of W2, one chunk): the chunk's a rows (contiguous
+in `a`, which is grouped by expert) come into the same slot as the item's codes and scales by one more bulk copy,
+and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 8 row groups × 2 halves
+of K that meet in shared memory (`rows=256`: 16 row groups, one warp each with all of K). Each (row, token) sum
+times the routing weight goes into the rank's fp32 latent partial by red.add (no per-CTA row-block sum, so only
+the routing tables grow with the tokens); at the CTA's last item of a row block it fences and adds its item count
+to the row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
+peers'), stores r ⊙ w_norm and adds Σ r² per token, as moe_pipe's moe_down. A shared item is 16 rows of the shared
+experts' down projection (bf16) against up to 8 tokens' a_shared, both in the slot, K split over the 16 warps;
+shared items come after a CTA's expert items. `decoupled`: the compute warps hand each slot back on a named
+barrier of its own and go on; the producer waits on it before the refill.
+
+Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
+the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr256.
 """
 
-import functools
 from dataclasses import dataclass
 
 from .. import compile as kc
@@ -569,7 +578,7 @@ def build_up_wide(key: MoEUpWideKey):
     (`moe.expert_up_args`)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Boolean, Constexpr, Float32, Int32, Int64, Uint8, const_expr
+    from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import _situ, expert_up_args, shared_situ_and_zeroing
     from .moe_pipe import store_b_order, superblock_mma
@@ -636,7 +645,6 @@ def build_up_wide(key: MoEUpWideKey):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, _, _ = cute.arch.block_idx()
-        M = mF.shape[0]
         smem = cutlass.utils.SmemAllocator()
         ring_w = smem.allocate_tensor(Int32, cute.make_layout((ST, 2 * UP_ROWS, WROW), stride=(W_SLOT // 4, WROW, 1)),
                                       byte_alignment=128)
