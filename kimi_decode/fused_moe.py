@@ -169,9 +169,11 @@ class FusedMoE:
         experts: 'pipe' (up to `kernels.moe_pipe.PIPE_MAX_M` tokens, the expert kernels of `kernels/moe_pipe.py`:
         persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
         tokens take the rings of `kernels/moe_wide.py`, whose items take up to 8 of an expert's tokens at a time:
-        moe_up stages each chunk's z when it reaches it, moe_down's slots bring the chunk's a rows), 'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into
-        registers; the launch-shape variants apply to these), or 'pipe-up' (the pipelined gate/up with the
-        direct down, up to PIPE_MAX_M tokens).
+        moe_up stages each chunk's z when it reaches it, moe_down's slots bring the chunk's a rows; their options
+        in `variant`: 'wsync', 'wstN', 'wupstN', 'wdownstN', 'wdownc16', 'wdownr256', `moe_wide.parse_wide_options`),
+        'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into registers; the launch-shape
+        variants apply to these), or 'pipe-up' (the pipelined gate/up with the direct down, up to PIPE_MAX_M
+        tokens).
         trace: the pipelined expert kernels' timeline builds, which record per-CTA checkpoints (%globaltimer and
         %clock64) into `trace_up` / `trace_down` ([CTAs, 2, TRACE_BUF] int64, `kernels.moe_pipe.TRACE_UP` /
         `TRACE_DOWN` name the first 32 slots, `warp_trace_name` moe_up's per-warp ones; `moe_trace` reads them)."""
@@ -307,7 +309,8 @@ class FusedMoE:
         up_extra = (self.w2, self.s2, w.shared_down, self.trace_up) if isinstance(up_key, kp.MoEUpPipeKey) else ()
         if shup:  # x and the shared gate/up rows, which moe_up streams itself
             up_extra += (x, w.shared_gate_up)
-        down_extra = (w.up, self.front, self.trace_down) if isinstance(down_key, (kp.MoEDownPipeKey, MoEDownWideKey)) else ()
+        ring_down = isinstance(down_key, (kp.MoEDownPipeKey, MoEDownWideKey))  # moe_pipe's arguments
+        down_extra = (w.up, self.front, self.trace_down) if ring_down else ()
         self._route = kc.load(route_key) if separate_routing else None
         # 'shup': x and the shared gate/up rows moe_up streams (all but the 2·keep the front keeps, whose fp32
         # pre-activations it reads instead)

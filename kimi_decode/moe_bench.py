@@ -30,11 +30,13 @@ def make_moe_executor(name: str):
     with the routing in the front GEMV's last router CTA up to 8 tokens, 5 beyond) or 'fused5' (always 5:
     routing as its own launch), 'fused-pdl' (as 'fused' with programmatic dependent launch at every token
     count, as before run 46; 'fused' uses it at one token, `fused_moe.PDL_MAX_TOKENS`), 'fused-nopdl' (as 'fused', each launch waiting for the previous one to
-    finish: no programmatic dependent launch); these use the pipelined expert kernels (`kernels/moe_pipe.py`).
+    finish: no programmatic dependent launch); these use the pipelined expert kernels (`kernels/moe_pipe.py`) up
+    to 8 tokens and the wide ones (`kernels/moe_wide.py`) above.
     'fused-direct' is 'fused' with the first expert kernels (a CTA per expert row block, `kernels/moe.py`),
     'fused-pipeup' the pipelined gate/up with the direct down. 'fused-direct@w4r1-w4r8e2s8' picks a launch
     shape of the direct expert kernels (`kernels.moe.parse_variant`) for tuning runs; 'fused@run17' (run 17's
-    kernels) or 'fused@pf1' sets options of the pipelined kernels (`kernels.moe_pipe.parse_pipe_variant`), and
+    kernels) or 'fused@pf1' sets options of the pipelined kernels (`kernels.moe_pipe.parse_pipe_variant`),
+    'fused@wsync' those of the wide ones above 8 tokens (`kernels.moe_wide.parse_wide_options`), and
     'fused@focc12' the front kernel's (`kernels.moe.split_front_options`)."""
     if name == "stock":
         from .stock.schedule import StockMoEHalf
