@@ -105,8 +105,7 @@ def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
     w, s, a = slot_bytes(key.shape, key.chunk, key.rows)
     parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
              (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4 * key.chunk // CHUNK,  # each compute warp's mma sums
-             *TABLE_PARTS,
-             8 * key.stages + 8, 16]  # mbarriers; the chunk count and the completion flag
+             *tail_bytes(key.stages)]
     return sum(-(-p // 128) * 128 for p in parts)
 
 
@@ -115,6 +114,39 @@ def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
 # when its item starts, so that nothing here grows with the tokens
 TABLE_PARTS = (16, 4 * E, 8 * E, 4 * MAX_CHUNKS, 4 * MAX_CHUNKS)
 TABLE_BYTES = 16 + 12 * E  # what the prologue's bulk copy brings: meta, active experts, lists
+
+
+def tail_bytes(stages: int) -> tuple[int, ...]:
+    """TABLE_PARTS and the mbarriers (the ring's and the tables' copy) and the two-word flag that `carve_tables`
+    allocates after them: what both kernels' shared memory ends with."""
+    return (*TABLE_PARTS, 8 * stages + 8, 16)
+
+
+def carve_tables(smem, stages: int):
+    """(traced inline) the tables both kernels keep in shared memory, allocated from `smem` after their ring and
+    sums: (meta, active experts, their lists, the chunk table's two words, `stages` + 1 mbarriers, a two-word flag:
+    [0] a row block's completion, [1] the chunk count)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    a = 128
+    return (smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=a),
+            smem.allocate_tensor(cutlass.Int64, cute.make_layout((stages + 1,)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=a))
+
+
+def check_ring(name: str, stages: int, smem_bytes: int) -> None:
+    """Refuse a ring depth outside 2..6 or one whose shared memory does not fit a CTA (both wide kernels)."""
+    if not 2 <= stages <= 6:
+        raise ValueError(f"{name} (wide) ring stages must be 2..6, got {stages}")
+    if smem_bytes > SMEM_BUDGET:
+        raise ValueError(f"{name} (wide) with {stages} stages needs {smem_bytes} B of shared memory, over the "
+                         f"{SMEM_BUDGET} B a CTA may take")
 
 
 def bulk_tables(mMeta, mAct, mList, s_meta, s_act, s_list, bar):
@@ -135,11 +167,7 @@ def check_key(key: MoEDownWideKey) -> None:
         raise ValueError(f"moe_down (wide) rows per item must be one of {DOWN_ROWS}, got {key.rows}")
     if key.chunk not in (CHUNK, 2 * CHUNK):
         raise ValueError(f"moe_down (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
-    if not 2 <= key.stages <= 6:
-        raise ValueError(f"moe_down (wide) ring stages must be 2..6, got {key.stages}")
-    if down_wide_smem_bytes(key) > SMEM_BUDGET:
-        raise ValueError(f"moe_down (wide) with {key.stages} stages needs {down_wide_smem_bytes(key)} B of shared "
-                         f"memory, over the {SMEM_BUDGET} B a CTA may take")
+    check_ring("moe_down", key.stages, down_wide_smem_bytes(key))
 
 
 _CHUNKS = None
@@ -357,13 +385,7 @@ def build_down_wide(key: MoEDownWideKey):
         kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4 * NT),
                                                                stride=(WARPS * 128 * NT, 128 * NT, 4 * NT, 1)),
                                      byte_alignment=128)
-        s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
-        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
-        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
-        s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
-        s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
-        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
-        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=128)
+        s_meta, s_act, s_list, s_cpair, s_cinfo, bars, flag = carve_tables(smem, ST)
         pbar = bars.iterator + ST  # the routing tables' bulk copy
         # views of the ring: an expert item's codes [rows, words] and a rows [8, I/2]; a shared item's bf16 rows
         # [16, S/2] and a_shared rows [8, S/2]
@@ -558,19 +580,14 @@ def up_wide_smem_bytes(key: MoEUpWideKey) -> int:
     parts = [key.stages * w, key.stages * s,
              CHUNK * L * 2,  # the chunk's z (bf16)
              (2 if key.decoupled else 1) * 4 * UP_WARPS * 32 * 4,  # each compute warp's mma sums of an item
-             *TABLE_PARTS,
-             8 * key.stages + 8, 16]
+             *tail_bytes(key.stages)]
     return sum(-(-p // 128) * 128 for p in parts)
 
 
 def check_up_key(key: MoEUpWideKey) -> None:
     if key.shape.inter % UP_ROWS or (L // SB) != 2 * UP_WARPS:
         raise ValueError(f"moe_up (wide) needs {UP_ROWS}-row blocks and {2 * UP_WARPS} super-blocks per row")
-    if not 2 <= key.stages <= 6:
-        raise ValueError(f"moe_up (wide) ring stages must be 2..6, got {key.stages}")
-    if up_wide_smem_bytes(key) > SMEM_BUDGET:
-        raise ValueError(f"moe_up (wide) with {key.stages} stages needs {up_wide_smem_bytes(key)} B of shared "
-                         f"memory, over the {SMEM_BUDGET} B a CTA may take")
+    check_ring("moe_up", key.stages, up_wide_smem_bytes(key))
 
 
 def build_up_wide(key: MoEUpWideKey):
@@ -653,13 +670,7 @@ def build_up_wide(key: MoEUpWideKey):
         sz = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, L // 2), stride=(L // 2, 1)), byte_alignment=128)
         kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, UP_WARPS, 32, 4), stride=(UP_WARPS * 128, 128, 4, 1)),
                                      byte_alignment=128)
-        s_meta = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=128)
-        s_act = smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=128)
-        s_list = smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=128)
-        s_cpair = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
-        s_cinfo = smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=128)
-        bars = smem.allocate_tensor(cutlass.Int64, cute.make_layout((ST + 1,)), byte_alignment=128)
-        flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=128)
+        s_meta, s_act, s_list, s_cpair, s_cinfo, bars, flag = carve_tables(smem, ST)
         pbar = bars.iterator + ST
         gW = cute.zipped_divide(ring_w, (1, 1, 4))
         sB = cute.zipped_divide(sz, (1, 4))
