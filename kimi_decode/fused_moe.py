@@ -138,9 +138,10 @@ class FusedMoE:
     def __init__(self, weights: LayerWeights, x: torch.Tensor, seed: int = 0, arch: str | None = None,
                  separate_routing: bool | None = None, variant: str | None = None, pdl: bool | None = None,
                  experts: str = "pipe", trace: bool = False):
-        """separate_routing: route in a fifth launch (one CTA of 16 warps, one warp per token) instead of in
-        the CTA that finishes the router rows of the front GEMV last (4 warps); None chooses by the token
-        count (a fifth launch above ROUTE_IN_FRONT_MAX tokens).
+        """separate_routing: route in a fifth launch (one warp per token, a CTA per 16 tokens; the last CTA to
+        finish builds the expert-major tables) instead of in the CTA that finishes the router rows of the front
+        GEMV last (4 warps); None chooses by the token count (a fifth launch above ROUTE_IN_FRONT_MAX tokens);
+        'rspread0' makes that launch one CTA of 16 warps (before 2026-12-07).
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
@@ -218,7 +219,12 @@ class FusedMoE:
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
             raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
-        route_key = km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch) if separate_routing else None
+        # 'rspread0': the routing launch as one CTA (the kernel before 2026-12-07) instead of one CTA per 16 tokens
+        spread = route_kw.get("route_spread", km.MoERouteKey.spread)
+        route_key = (km.MoERouteKey(shape, pdl=pdl, candidates=cand, arch=arch, spread=spread) if separate_routing
+                     else None)
+        if separate_routing and not spread:
+            tags.append("rspread0")
         # one token: the tail as a persistent GEMV streaming W_up through a bulk-copy ring ('tring0': the plain one)
         ring = N == 1 and route_kw.get("tail_ring", True)
         if N == 1 and not ring:
@@ -283,6 +289,7 @@ class FusedMoE:
         self.act = torch.zeros(km.E, dtype=torch.int32, device=dev)
         self.list = torch.zeros(km.E, 2, dtype=torch.int32, device=dev)  # (offset, count) per active expert
         self.tok = torch.zeros(km.TOPK * N, dtype=torch.int32, device=dev)  # token ids grouped by expert
+        self.route_cnt = torch.zeros(km.E, dtype=torch.int32, device=dev)  # the spread routing's counts (zero between steps)
         self.a = nan(km.TOPK * N, I)  # SiTU output per (expert, token) pair, in the order of `tok`
         self.cnt = torch.zeros(km.L // down_key.rows_per_item, dtype=torch.int32, device=dev)  # completion counter per latent row block
         self.a_sh = nan(N, S)
@@ -351,7 +358,8 @@ class FusedMoE:
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                              self.act, self.list, self.tok))] if separate_routing else []),
+                                              self.act, self.list, self.tok, self.route_cnt))]
+              if separate_routing else []),
             *experts,
             Launch("moe.tail", "RMSNorm + up_proj + shared all-reduce + add (fused)", "CuTe DSL",
                    _nbytes(w.up, self.r, self.ssq, self.sh), _nbytes(self.h), 2 * N * km.L * km.D,

@@ -2170,3 +2170,47 @@ def test_wide_expert_kernels_repeat_exactly(w8):
         assert torch.isfinite(ex.h).all()
         _same_up_to_summation_order(first, ex.h)
     assert int(ex.cnt.abs().sum()) == 0
+
+
+def test_spread_routing_is_the_default_parses_and_is_built_ahead_of_time(compiler):
+    """Above 8 tokens the routing launch is spread over one CTA per 16 tokens (`MoERouteKey.spread`); 'rspread0'
+    keeps the single CTA of before. Both are built ahead of time at TP8 (with and without PDL), the spread one at
+    TP16 too, and the spread kernel holds its registers without spilling."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import moe as km
+    assert km.MoERouteKey.spread is True
+    assert km.split_front_options("rspread0") == (dict(route_spread=False), None)
+    assert km.split_front_options("rspread-wsync") == (dict(route_spread=True), "wsync")
+    keys = km.ROUTE.aot_keys("sm_90a")
+    for p in (True, False):
+        assert km.MoERouteKey(km.shapes_for_tp(8), spread=False, pdl=p) in keys
+        for tp in (8, 16):
+            assert km.MoERouteKey(km.shapes_for_tp(tp), pdl=p) in keys
+    res = kc.resource_usage(km.MoERouteKey(km.shapes_for_tp(8)))
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [9, 33, 64, 512])
+def test_spread_routing_equals_the_single_cta_routing_and_rearms(w8, tokens):
+    """The spread routing launch (the default above 8 tokens) chooses what the single-CTA one ('rspread0') chooses:
+    identical ids, weights, active experts and (offset, count) lists, the same tokens in each expert's list (their
+    order within an expert is arrival order), and the same output up to summation order. Over three steps its
+    per-expert counts and its CTA counter are back at zero after each."""
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(tokens, D, seed=360 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="rspread0")
+    assert b.variant.startswith("rspread0+") and "rspread" not in a.variant, (a.variant, b.variant)
+    b()
+    for _ in range(3):
+        a.h.fill_(float("nan"))
+        a.tok.fill_(-1)
+        a()
+        torch.cuda.synchronize()
+        assert int(a.route_cnt.abs().sum()) == 0 and int(a.meta[1]) == 0
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.wts, b.wts)
+        n = int(a.meta[0])
+        assert n == int(b.meta[0]) and torch.equal(a.act[:n], b.act[:n]) and torch.equal(a.list[:n], b.list[:n])
+        for off, cnt in a.list[:n].tolist():
+            assert torch.equal(a.tok[off:off + cnt].sort().values, b.tok[off:off + cnt].sort().values)
+        _same_up_to_summation_order(a.h, b.h)

@@ -93,7 +93,9 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     the plain front as a programmatic dependent of the previous launch (its weight rows loaded before the wait,
     `MoEFrontKey.pdl`), and the tail ring letting the next launch be scheduled at its start (`MoETailRingKey.trigger`);
     mma0 / mma: the front and tail GEMVs from MMA_MIN_TOKENS tokens on CUDA cores at m_tile 8 (the kernels before
-    2026-12-07) / on tensor cores (the default; `MoEFrontKey.mma`, `MoETailKey.mma`, `tail_key_for`)."""
+    2026-12-07) / on tensor cores (the default; `MoEFrontKey.mma`, `MoETailKey.mma`, `tail_key_for`); rspread0 /
+    rspread: above 8 tokens, the routing launch as one CTA (the kernel before 2026-12-07) / over one CTA per 16
+    tokens (the default; `MoERouteKey.spread`)."""
     import re
 
     if not variant:
@@ -116,6 +118,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["front_pdl"] = m.group(1) != "0"
         elif m := re.fullmatch(r"mma([01]?)", tok):
             front["tensor_cores"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"rspread([01]?)", tok):
+            front["route_spread"] = m.group(1) != "0"
         elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
             front["co_tail_ring_only"] = True
         elif m := re.fullmatch(r"fring(\d+)x(\d+)(?:c(\d+))?", tok):  # ring front: R rows per slot, S slots, N CTAs/SM
@@ -185,14 +189,17 @@ ROUTED_FLAG = DONE_FLAG
 
 @dataclass(frozen=True)
 class MoERouteKey:
-    """Routing as its own launch: one CTA of `warps` warps, one warp per token (16 warps: 128 registers a
-    thread, no spills; 32 would cap them at 64)."""
+    """Routing as its own launch, one warp per token, in CTAs of `warps` warps (16 warps: 128 registers a thread,
+    no spills; 32 would cap them at 64). spread (the default since 2026-12-07): one CTA per `warps` tokens, the last
+    CTA to finish builds the tables (`route_spread`); otherwise (option 'rspread0') one CTA routes every token, each
+    warp a token after another (0.3 µs a token on the H200: 25 µs at 64 tokens)."""
 
     shape: MoEShape
     warps: int = 16
     pdl: bool = True  # programmatic dependent launch (see PDL below)
     candidates: bool = True  # as MoEFrontKey.candidates
     arch: str = "sm_90a"
+    spread: bool = True
 
 
 @dataclass(frozen=True)
@@ -368,12 +375,31 @@ def route_tokens():
     front kernel can then be capped at the GEMV's registers without spilling the routing (its occupancy),
     at the price of shared-memory loads in the routing (and, above one token, of one warp routing them all).
     """
+    return _routes()[0]
+
+
+def _routes():
     global _ROUTE
     if _ROUTE is None:
         _ROUTE = _make_route()
     return _ROUTE
 
 
+def route_spread():
+    """`@cute.jit` the routing spread over a grid (`MoERouteKey.spread`):
+
+        route_spread()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, mCnt, cnt, lst, wtot, flag, WARPS,
+                       SCALING, CAND)
+
+    Each warp of the grid routes one token as `route_tokens` does (grid-stride), adding one count per chosen expert
+    into mCnt ([E] Int32 in global memory, zero on entry); the CTA that finishes last (an atomic counter in
+    mMeta[1]) takes the counts into shared memory (`cnt`), leaves mCnt and the counter at zero for the next step,
+    and builds the expert-major tables with its warps, the token-list loads ROUTE_FILL a thread in flight.
+    `flag`: two Int32 of shared memory."""
+    return _routes()[1]
+
+
+ROUTE_FILL = 8  # (expert, token) pairs a thread loads together when the spread routing fills the token lists
 ROUTE_LIST = 32  # (key, index) entries per routing warp: the candidates of the top 16, or the top 16 itself
 ROUTE_LIST_WORDS = 2 * ROUTE_LIST  # Int32 words of shared memory per routing warp
 
@@ -469,7 +495,6 @@ def _make_route():
               lst: cute.Tensor, wtot: cute.Tensor, kys: cute.Tensor, WARPS: Constexpr, SCALING: Constexpr,
               CAND: Constexpr = True, SKEYS: Constexpr = False, T0: Constexpr = 0, BAR: Constexpr = 0):
         THREADS = 32 * WARPS
-        CH = -(-E // THREADS)
         tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
@@ -484,7 +509,19 @@ def _make_route():
         t0 = warp
         if const_expr(SKEYS):  # warp 0 routes every token, one after the other (the others start past the last)
             t0 = warp * M
-        for t in cutlass.range(t0, M, _token_step(SKEYS, WARPS)):
+        tokens(mO, mBias, mIds, mWts, mWe, cnt, lst, kys, t0, _token_step(SKEYS, WARPS), lane, warp, lt, SCALING,
+               CAND, SKEYS)
+        _group_sync(BAR, THREADS)
+        tables(mMeta, mIds, mAct, mList, mTok, cnt, wtot, tid, lane, warp, WARPS, BAR, 1)
+
+    @cute.jit
+    def tokens(mO: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor, mWe: cute.Tensor,
+               cnt: cute.Tensor, lst: cute.Tensor, kys: cute.Tensor, t0, tstep, lane, warp, lt, SCALING: Constexpr,
+               CAND: Constexpr, SKEYS: Constexpr):
+        """Route tokens t0, t0 + tstep, ... < M, one warp each: ids, weights, expert-major weights, and one count
+        per chosen expert added into `cnt` (shared memory, or global memory in the spread routing)."""
+        M = mIds.shape[0]
+        for t in cutlass.range(t0, M, tstep):
             if const_expr(SKEYS):
                 # the keys in shared memory (SKEYS): no 28 key registers, and the logits and the biases in
                 # flight one group after the other (28 registers, two round trips), so that the kernel holding
@@ -612,7 +649,16 @@ def _make_route():
                 mWts[t, lane] = s / tot * Float32(SCALING)
                 mWe[mine, t] = s / tot * Float32(SCALING)
                 cute.arch.atomic_add(cnt.iterator + mine, Int32(1))
-        _group_sync(BAR, THREADS)
+
+    @cute.jit
+    def tables(mMeta: cute.Tensor, mIds: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor,
+               cnt: cute.Tensor, wtot: cute.Tensor, tid, lane, warp, WARPS: Constexpr, BAR: Constexpr,
+               FILL: Constexpr):
+        """The expert-major tables from the per-expert token counts in `cnt` (shared memory, complete); FILL: the
+        token-list pass takes FILL (expert, token) pairs a thread per round, their loads in flight together."""
+        THREADS = 32 * WARPS
+        CH = -(-E // THREADS)
+        M = mIds.shape[0]
         # expert-major tables: one exclusive scan over the experts (in index order, so the active list is
         # deterministic) of (tokens << 16 | active), each thread owning a contiguous run of CH experts
         e0 = tid * CH
@@ -647,12 +693,52 @@ def _make_route():
         if tid == THREADS - 1:
             mMeta[0] = pre & Int32(0xFFFF)
         _group_sync(BAR, THREADS)
-        for idx in cutlass.range(tid, M * TOPK, THREADS):  # token lists (order within an expert: arrival)
-            t = idx // TOPK
-            e = mIds[t, idx - t * TOPK]
-            mTok[cute.arch.atomic_add(cnt.iterator + e, Int32(1))] = t
+        if const_expr(FILL == 1):
+            for idx in cutlass.range(tid, M * TOPK, THREADS):  # token lists (order within an expert: arrival)
+                t = idx // TOPK
+                e = mIds[t, idx - t * TOPK]
+                mTok[cute.arch.atomic_add(cnt.iterator + e, Int32(1))] = t
+        else:
+            last = M * TOPK - 1
+            for i0 in cutlass.range(tid, M * TOPK, THREADS * FILL):
+                es = [mIds[cutlass.min(i0 + u * THREADS, last) // TOPK, cutlass.min(i0 + u * THREADS, last) % TOPK]
+                      for u in range(FILL)]  # loaded together, the index clamped: no branch between them
+                for u in cutlass.range_constexpr(FILL):
+                    idx = i0 + u * THREADS
+                    if idx <= last:
+                        mTok[cute.arch.atomic_add(cnt.iterator + es[u], Int32(1))] = idx // TOPK
 
-    return route
+    @cute.jit
+    def spread(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
+               mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mCnt: cute.Tensor,
+               cnt: cute.Tensor, lst: cute.Tensor, wtot: cute.Tensor, flag: cute.Tensor, WARPS: Constexpr,
+               SCALING: Constexpr, CAND: Constexpr):
+        THREADS = 32 * WARPS
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        lt = Int32(cute.arch.lanemask_lt())
+        # one warp per token over the grid, counting the chosen experts in global memory (mCnt, zero on entry)
+        tokens(mO, mBias, mIds, mWts, mWe, mCnt, lst, lst, bx * WARPS + warp, gx * WARPS, lane, warp, lt, SCALING,
+               CAND, False)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tid == 0:
+            old = cute.arch.atomic_add(mMeta.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = Int32(old == gx - 1)
+        cute.arch.barrier()
+        if flag[0] != 0:  # the last CTA: every token is routed and counted
+            cute.arch.fence_acq_rel_gpu()
+            for e in cutlass.range(tid, E, THREADS):  # the counts, and zero left for the next step
+                cnt[e] = cute.arch.atomic_exch(mCnt.iterator + e, Int32(0), sem="relaxed", scope="gpu")
+            if tid == 0:
+                mMeta[1] = Int32(0)  # re-arm the CTA counter
+            cute.arch.barrier()
+            tables(mMeta, mIds, mAct, mList, mTok, cnt, wtot, tid, lane, warp, WARPS, 0, ROUTE_FILL)
+
+    return route, spread
 
 
 
@@ -761,36 +847,48 @@ def build_front(key: MoEFrontKey):
 def build_route(key: MoERouteKey):
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
     from cutlass import const_expr
 
     sh = key.shape
     WARPS, SCALING, PDL = key.warps, sh.scaling, key.pdl
 
+    SPREAD = key.spread
+
     @cute.kernel
     def route_kernel(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-                     mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor):
+                     mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mCnt: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
         cnt, lst, wtot, kys = route_smem(smem, WARPS)
         if const_expr(PDL):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys, WARPS, SCALING,
-                       key.candidates)
+        if const_expr(SPREAD):
+            flag = smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=16)
+            route_spread()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, mCnt, cnt, lst, wtot, flag, WARPS,
+                           SCALING, key.candidates)
+        else:
+            route_tokens()(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, cnt, lst, wtot, kys, WARPS, SCALING,
+                           key.candidates)
 
     @cute.jit
     def route_host(mO: cute.Tensor, mBias: cute.Tensor, mMeta: cute.Tensor, mIds: cute.Tensor, mWts: cute.Tensor,
-                   mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, stream):
-        route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok).launch(
-            grid=(1, 1, 1), block=(32 * WARPS, 1, 1), smem=route_smem_bytes(WARPS),
+                   mWe: cute.Tensor, mAct: cute.Tensor, mList: cute.Tensor, mTok: cute.Tensor, mCnt: cute.Tensor,
+                   stream):
+        ctas = (mIds.shape[0] + WARPS - 1) // WARPS if const_expr(SPREAD) else 1
+        route_kernel(mO, mBias, mMeta, mIds, mWts, mWe, mAct, mList, mTok, mCnt).launch(
+            grid=(ctas, 1, 1), block=(32 * WARPS, 1, 1), smem=route_smem_bytes(WARPS) + 32,
             stream=stream, use_pdl=PDL)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
+    routing = _routing_fakes(m)
     args = (
         fake(Float32, (m, sh.ncat), stride_order=(1, 0), assumed_align=16),
-        *_routing_fakes(m),
+        *routing[:-1],
+        fake(Int32, (E,), assumed_align=16),  # mCnt: the spread routing's per-expert counts (zero between steps)
+        routing[-1],
     )
     return route_host, args
 
@@ -1366,6 +1464,7 @@ def aot_keys_for(kind: str):
                 out += [MoERouteKey(s, arch=arch), MoERouteKey(s, pdl=False, arch=arch)]
                 if tp == 8:
                     out += [MoERouteKey(s, candidates=False, pdl=p, arch=arch) for p in (True, False)]
+                    out += [MoERouteKey(s, spread=False, pdl=p, arch=arch) for p in (True, False)]
             elif kind == "up":
                 out += [MoEUpKey(s, arch=arch), MoEUpKey(s, pdl=False, arch=arch)]
                 if tp == 8:
