@@ -2214,3 +2214,43 @@ def test_spread_routing_equals_the_single_cta_routing_and_rearms(w8, tokens):
         for off, cnt in a.list[:n].tolist():
             assert torch.equal(a.tok[off:off + cnt].sort().values, b.tok[off:off + cnt].sort().values)
         _same_up_to_summation_order(a.h, b.h)
+
+
+def test_mma_rows_option_parses_refuses_bad_tilings_and_is_built(compiler):
+    """'mrowsR[wW]': the tensor-core front and tail at 64 tokens with R rows a CTA over W warps; only the 64-token
+    tile takes it, rows must be a multiple of 16 dividing the GEMV's rows, and the built tilings compile without
+    spills at TP8."""
+    from kimi_decode import compile as kc
+    from kimi_decode.kernels import gemv
+    from kimi_decode.kernels import moe as km
+    s = km.shapes_for_tp(8)
+    assert km.split_front_options("mrows64w8-rspread0") == (dict(mma_rows=(64, 8), route_spread=False), None)
+    front, tags = km.front_key_for(s, 64, True, {"mma_rows": (64, 8)})
+    assert (front.mma_rows, front.mma_warps, tags) == (64, 8, ["mrows64w8"])
+    assert km.front_key_for(s, 8, False, {"mma_rows": (64, 8)})[0].mma_rows == 0  # the 8-token tile keeps its tiling
+    assert km.tail_key_for(s, 64, True, {"mma_rows": (64, 0)}).mma_rows == 64
+    assert km.tail_key_for(s, 8, True, {"mma_rows": (64, 0)}).mma_rows == 0
+    assert gemv.mma_tiling(64, True, 64, 8) == (64, 8, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemv.mma_tiling(64, True, 40)
+    with pytest.raises(ValueError, match="m_tile above 16"):
+        gemv.mma_tiling(8, True, 64)
+    fronts, tails = km.FRONT.aot_keys("sm_90a"), km.TAIL.aot_keys("sm_90a")
+    for rw in km.MMA_ROWS_BUILT:
+        assert km.front_key_for(s, 64, True, {"mma_rows": rw})[0] in fronts
+        for p in (True, False):
+            assert km.tail_key_for(s, 64, p, {"mma_rows": rw}) in tails
+    for key in (km.front_key_for(s, 64, True, {"mma_rows": (64, 8)})[0], km.tail_key_for(s, 64, True, {"mma_rows": (64, 8)})):
+        res = kc.resource_usage(key)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, (key, res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["mrows64", "mrows64w8"])
+@pytest.mark.parametrize("tokens", [9, 64])
+def test_mma_rows_tilings_match_the_reference(w8, variant, tokens):
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=380 + tokens, device="cuda")
+    assert FusedMoE(w8, x, variant=variant).variant.startswith(variant + "+")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], (variant, r)

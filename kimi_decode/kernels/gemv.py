@@ -112,13 +112,19 @@ class GemvKey:
                              f"(each warp takes whole {MMA_K_BLOCK}-wide blocks of K)")
 
 
-def mma_tiling(m_tile: int, loop: bool = False) -> tuple[int, int, int]:
+def mma_tiling(m_tile: int, loop: bool = False, rows: int = 0, warps: int = 0) -> tuple[int, int, int]:
     """(rows, warps, unroll) of the tensor-core GEMV: 16 rows (two m16 tiles from 32 tokens on, so that each
     token's x, read from L2 by every CTA, serves twice the rows), 4 warps splitting K, and 4 steps of loads in
     flight (2 from 32 tokens on, where each step holds 4·m_tile/8 words of x a lane). With `loop`
     (`GemvKey.mma_loop`) up to 16 tokens: 8 warps and 8 blocks in flight a warp (64 KB of weights a CTA), since
     run 72 put the unrolled form's loss at small N on the bytes in flight (one CTA an SM at 8 × 7168 × 2112);
-    run 73 measured it within 1% of torch.mm or below at 8 tokens on five of six decode shapes."""
+    run 73 measured it within 1% of torch.mm or below at 8 tokens on five of six decode shapes. rows / warps (the
+    front and tail at 64 tokens, 'mrowsR[wW]'): R rows a CTA split over W warps (4 by default), x's L2 reads per
+    weight byte divided by R / 32."""
+    if rows:  # ('mrowsR[wW]', 64 tokens) R rows a CTA: x, read from L2 by every CTA, serves R rows; one block in flight
+        if rows % 16 or not m_tile > 16:
+            raise ValueError(f"mma rows: a multiple of 16 at an m_tile above 16; got {rows} rows at m_tile {m_tile}")
+        return (rows, warps or 4, 1 if rows >= 64 else 2)
     if loop and m_tile <= 16:
         return (16, 8, 8)
     return (16, 4, 4) if m_tile <= 16 else (32, 4, 2)

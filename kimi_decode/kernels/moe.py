@@ -95,7 +95,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     mma0 / mma: the front and tail GEMVs from MMA_MIN_TOKENS tokens on CUDA cores at m_tile 8 (the kernels before
     2026-12-07) / on tensor cores (the default; `MoEFrontKey.mma`, `MoETailKey.mma`, `tail_key_for`); rspread0 /
     rspread: above 8 tokens, the routing launch as one CTA (the kernel before 2026-12-07) / over one CTA per 16
-    tokens (the default; `MoERouteKey.spread`)."""
+    tokens (the default; `MoERouteKey.spread`); mrowsR[wW]: the tensor-core front and tail at 64 tokens with R rows a
+    CTA over W warps (`MoEFrontKey.mma_rows`)."""
     import re
 
     if not variant:
@@ -120,6 +121,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
             front["tensor_cores"] = m.group(1) != "0"
         elif m := re.fullmatch(r"rspread([01]?)", tok):
             front["route_spread"] = m.group(1) != "0"
+        elif m := re.fullmatch(r"mrows(\d+)(?:w(\d+))?", tok):
+            front["mma_rows"] = (int(m.group(1)), int(m.group(2) or 0))
         elif tok == "tringco":  # the cotail tail ring alone, beside the usual moe_down (which leaves it no room)
             front["co_tail_ring_only"] = True
         elif m := re.fullmatch(r"fring(\d+)x(\d+)(?:c(\d+))?", tok):  # ring front: R rows per slot, S slots, N CTAs/SM
@@ -175,6 +178,11 @@ class MoEFrontKey:
     # the GEMV on tensor cores (`gemv.gemv_partials_mma`, its register-ring loop): m_tile in MMA_TILES, the
     # default from MMA_MIN_TOKENS tokens ('mma0': the CUDA-core GEMV at m_tile 8)
     mma: bool = False
+    # ('mrowsR[wW]', tensor cores at 64 tokens) R rows a CTA over W warps instead of `gemv.mma_tiling`'s 32 over 4:
+    # every CTA reads all of x (64 tokens: 917 KB at K 7168) from L2, so 32-row CTAs read twice the weight's bytes
+    # of x again. 0: the default tiling
+    mma_rows: int = 0
+    mma_warps: int = 0
     arch: str = "sm_90a"
 
 
@@ -233,6 +241,8 @@ class MoETailKey:
     m_tile: int = 1
     pdl: bool = True
     mma: bool = False  # the GEMV on tensor cores, as MoEFrontKey.mma
+    mma_rows: int = 0  # as MoEFrontKey.mma_rows
+    mma_warps: int = 0
     arch: str = "sm_90a"
 
 
@@ -758,9 +768,10 @@ def build_front(key: MoEFrontKey):
         assert MT in MMA_TILES, f"the tensor-core front takes m_tile in {MMA_TILES}"
         assert key.shared_rows and not (key.pdl or key.smem_keys or key.min_ctas or key.route_flag), \
             "the tensor-core front has none of the one-token options (shup, fpdl, skeys, foccN, uflag)"
-        R, WARPS, U = mma_tiling(MT, True)
+        R, WARPS, U = mma_tiling(MT, True, key.mma_rows, key.mma_warps)
     else:
         R, WARPS, U = default_tiling(N, K, MT)
+    assert N % R == 0 and K % (32 * WARPS) == 0, f"the front's {N} rows x {K} in CTAs of {R} rows, {WARPS} warps"
     UP0 = sh.sh0 + KEEP  # ('shfrontK') the rows it computes from here on are the kept up rows, S - KEEP further on
     assert KEEP % R == 0, "shared_keep: whole CTAs of gate rows and of up rows"
     RM = R * MT
@@ -1224,9 +1235,10 @@ def build_tail(key: MoETailKey):
     MMA = key.mma
     if MMA:
         assert MT in MMA_TILES, f"the tensor-core tail takes m_tile in {MMA_TILES}"
-        R, WARPS, U = mma_tiling(MT, True)
+        R, WARPS, U = mma_tiling(MT, True, key.mma_rows, key.mma_warps)
     else:
         R, WARPS, U = default_tiling(N, K, MT)
+    assert N % R == 0 and K % (32 * WARPS) == 0, f"the tail's {N} rows x {K} in CTAs of {R} rows, {WARPS} warps"
     RM = R * MT
     THREADS = 32 * WARPS
     # the shared all-reduce reads issued with the GEMV's loads when each thread owns at most one output (TP
@@ -1315,6 +1327,8 @@ M8_TILES = (1, 8)  # 'mtfit0': m_tile 8 from 2 tokens on (before run 49; run 48 
 # m_tile 8: 1.2-1.35x) and 6x faster than the CUDA-core one at 64 tokens
 MMA_TILES = (8, 64)
 MMA_MIN_TOKENS = 5
+# the 'mrowsR[wW]' tilings built ahead of time at TP8, (rows, warps; 0: 4)
+MMA_ROWS_BUILT = ((64, 0), (64, 8))
 
 
 def pick_m_tile(m: int, tiles: tuple[int, ...] = M_TILES) -> int:
@@ -1332,8 +1346,9 @@ def tail_key_for(shape: MoEShape, m: int, pdl: bool, options: dict | None = None
     tensor cores from MMA_MIN_TOKENS tokens (m_tile 8, or 64 above 8 tokens), else at the front's m_tile."""
     o = options or {}
     if _tensor_cores(m, o):
-        return MoETailKey(shape, m_tile=MMA_TILES[0] if m <= MMA_TILES[0] else MMA_TILES[-1], pdl=pdl, mma=True,
-                          arch=arch)
+        mt = MMA_TILES[0] if m <= MMA_TILES[0] else MMA_TILES[-1]
+        rows, warps = o.get("mma_rows", (0, 0)) if mt == MMA_TILES[-1] else (0, 0)
+        return MoETailKey(shape, m_tile=mt, pdl=pdl, mma=True, mma_rows=rows, mma_warps=warps, arch=arch)
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     return MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
 
@@ -1385,9 +1400,13 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
                          "plain front launched in stream order; it cannot go with fring or fpdl")
     if ring:
         return ring_key, tags
+    rows, warps = o.get("mma_rows", (0, 0)) if mma and mt == MMA_TILES[-1] else (0, 0)
+    if rows:
+        tags.append(f"mrows{rows}" + (f"w{warps}" if warps else ""))
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
                       candidates=cand or separate_routing, smem_keys=sk, pdl=pdl, route_flag=route_flag,
-                      shared_rows=shared_rows, shared_keep=shared_keep, mma=mma, arch=arch)  # no routing: the default key
+                      shared_rows=shared_rows, shared_keep=shared_keep, mma=mma, mma_rows=rows, mma_warps=warps,
+                      arch=arch)  # no routing: the default key
     return key, tags
 
 
@@ -1450,6 +1469,8 @@ def aot_keys_for(kind: str):
                         key = front_key_for(s, m, sep, o, arch)[0]
                         if key not in out:
                             out.append(key)
+                if tp == 8:  # 'mrowsR[wW]' at 64 tokens
+                    out += [front_key_for(s, 64, True, {"mma_rows": rw}, arch)[0] for rw in MMA_ROWS_BUILT]
                 if tp == 8:  # 'uflag' at every m_tile, 'fpdl' at one token, and both
                     for m in (1, 2, 3, 8):
                         out.append(front_key_for(s, m, False, {}, arch, route_flag=True)[0])
@@ -1476,6 +1497,8 @@ def aot_keys_for(kind: str):
             else:
                 out += [MoETailKey(s, m_tile=mt, pdl=p, arch=arch) for mt in M_TILES for p in (True, False)]
                 out += [MoETailKey(s, m_tile=mt, pdl=p, mma=True, arch=arch) for mt in MMA_TILES for p in (True, False)]
+                if tp == 8:
+                    out += [tail_key_for(s, 64, p, {"mma_rows": rw}, arch) for rw in MMA_ROWS_BUILT for p in (True, False)]
         return out
     return keys
 
