@@ -2133,11 +2133,12 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16", "wdownr256"])
+@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16", "wdownr256", "wdownpf0"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
-    """The synchronous hand-over ('wsync'), the deeper rings ('wst4'), moe_down's 16-token items ('wdownc16') and its
-    256-row items ('wdownr256') give the reference too."""
+    """The synchronous hand-over ('wsync'), the deeper rings ('wst4'), moe_down's 16-token items ('wdownc16'), its
+    256-row items ('wdownr256') and its token ids and weights read at each item's start ('wdownpf0') give the
+    reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")

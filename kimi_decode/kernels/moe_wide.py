@@ -33,7 +33,7 @@ barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr256.
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr256, wdownpf0.
 """
 
 from dataclasses import dataclass
@@ -74,6 +74,9 @@ class MoEDownWideKey:
     # warps that split K and meet in shared memory, or 256, each 16 rows by one warp with all of K, which adds its
     # sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert item)
     rows: int = RBW
+    # a lane's token ids and routing weights for the CTA's next expert item read during this one (ids before the mma,
+    # weights after it): the two dependent L2 reads off the item's path. False ('wdownpf0'): read at the item's start
+    prefetch_ids: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -231,6 +234,7 @@ def build_down_wide(key: MoEDownWideKey):
     RBW, KS = key.rows, key.ksplit
     RG = RBW // 16  # row groups of 16 rows
     DEC = key.decoupled
+    PF = key.prefetch_ids
     NB = 2 if DEC else 1  # buffers of the mma sums that meet in shared memory
     SLOT_BAR = 3  # (decoupled) named barriers SLOT_BAR .. SLOT_BAR + ST - 1: slot s handed back to the producer
     assert SLOT_BAR + ST <= 16
@@ -312,6 +316,24 @@ def build_down_wide(key: MoEDownWideKey):
                 bulk(w_base + slot * W_SLOT, mWd.iterator.toint() + Int64(rsb) * SH_BYTES, SH_BYTES, b)
             if const_expr(ACTS):
                 bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (SH_TOKENS * S * 2), nt * (S * 2), b)
+
+    @cute.jit
+    def next_ids(k: Int32, nch: Int32, c: Int32, s_cinfo: cute.Tensor, s_cpair: cute.Tensor, mTok: cute.Tensor,
+                 tsr: cute.Tensor):
+        """(inlined) expert item k's token ids of a lane's columns (8j + 2c + x, tile-major) into tsr; the item's
+        chunk info word"""
+        ch = k - (k // nch) * nch
+        info = s_cinfo[ch]
+        p0 = s_cpair[ch]
+        for q in cutlass.range_constexpr(2 * NT):
+            tsr[q] = mTok[p0 + cutlass.min(CHUNK * (q // 2) + 2 * c + (q % 2), (info & INFO_MASK) - 1)]
+        return info
+
+    @cute.jit
+    def next_weights(info: Int32, mWe: cute.Tensor, tsr: cute.Tensor, wsr: cute.Tensor):
+        """(inlined) the routing weights of the ids in tsr (their chunk's info word `info`) into wsr"""
+        for q in cutlass.range_constexpr(2 * NT):
+            wsr[q] = mWe[info >> INFO_SHIFT, tsr[q]]
 
     @cute.jit
     def hand_back(slot: Int32, warp: Int32):
@@ -446,6 +468,13 @@ def build_down_wide(key: MoEDownWideKey):
             cute.arch.griddepcontrol_launch_dependents()
         g = lane // 4
         c = lane - 4 * g
+        cols = [CHUNK * j + 2 * c + x for j in range(NT) for x in range(2)]  # a lane's columns, tile-major as the sums
+        tsr = cute.make_rmem_tensor((2 * NT,), Int32)  # (prefetch_ids) the next expert item's token ids and weights
+        wsr = cute.make_rmem_tensor((2 * NT,), Float32)
+        if const_expr(PF):
+            if warp < WARPS:
+                if n_e > 0:
+                    next_weights(next_ids(lo_e, nch, c, s_cinfo, s_cpair, mTok, tsr), mWe, tsr, wsr)
         for i in cutlass.range(n_items):
             k = lo_e + i + Int32(i >= n_e) * jmp
             slot = i % ST
@@ -453,13 +482,17 @@ def build_down_wide(key: MoEDownWideKey):
                 rb = k // nch
                 ch = k - rb * nch
                 if warp < WARPS:
-                    # this lane's two tokens and their routing weights, read while the item computes (L2)
                     info = s_cinfo[ch]
                     n = info & INFO_MASK
-                    p0 = s_cpair[ch]
-                    cols = [CHUNK * j + 2 * c + x for j in range(NT) for x in range(2)]  # tile-major, as the sums
-                    ts = [mTok[p0 + cutlass.min(col, n - 1)] for col in cols]
-                    ws = [mWe[info >> INFO_SHIFT, t_] for t_ in ts]
+                    if const_expr(PF):  # this item's, read during the last one; the next one's ids now
+                        ts = [tsr[q] for q in range(2 * NT)]
+                        ws = [wsr[q] for q in range(2 * NT)]
+                        if i + 1 < n_e:
+                            next_ids(k + 1, nch, c, s_cinfo, s_cpair, mTok, tsr)
+                    else:  # this lane's two tokens and their routing weights, read while the item computes (L2)
+                        p0 = s_cpair[ch]
+                        ts = [mTok[p0 + cutlass.min(col, n - 1)] for col in cols]
+                        ws = [mWe[info >> INFO_SHIFT, t_] for t_ in ts]
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     r0 = 16 * (warp % RG) + g
                     if const_expr(KS == 1):  # all of K: this warp's rows are complete
@@ -475,6 +508,9 @@ def build_down_wide(key: MoEDownWideKey):
                         for h in cutlass.range_constexpr(1, KS):
                             for r in cutlass.range_constexpr(4 * NT):
                                 tot[r] = tot[r] + kpart[i % NB, warp % RG + h * RG, lane, r]
+                    if const_expr(PF):  # the next item's weights, its ids in by now
+                        if i + 1 < n_e:
+                            next_weights(s_cinfo[(k + 1) - ((k + 1) // nch) * nch], mWe, tsr, wsr)
                     if warp < RG:  # the row group's sums times the routing weights into the latent partial
                         for j in cutlass.range_constexpr(NT):
                             for x in cutlass.range_constexpr(2):
@@ -778,7 +814,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     """Take the wide kernels' options out of a '-'-joined variant: (MoEUpWideKey fields, MoEDownWideKey fields, the
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
     kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
-    item). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    item), wdownr256 (moe_down's 256-row items), wdownpf0 (moe_down reads an item's token ids and weights at its
+    start instead of during the item before). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -788,6 +825,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
+        elif part == "wdownpf0":
+            down["prefetch_ids"] = False
         elif part == "wdownr256":  # twice the bytes per slot: two slots
             down["rows"], down["stages"] = 256, down.get("stages", 2)
         elif m:
@@ -818,10 +857,12 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
         parts.append(f"wdownc{down.chunk}")
     if down.rows != MoEDownWideKey.rows:
         parts.append(f"wdownr{down.rows}")
+    if not down.prefetch_ids:
+        parts.append("wdownpf0")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16", "wdownr256")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16", "wdownr256", "wdownpf0")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
