@@ -163,10 +163,11 @@ def test_fused_kernel_count_under_a_cuda_graph(w8, tokens, kernels):
 @pytest.mark.parametrize("tokens", [1, 2, 8, 33])
 def test_candidate_routing_equals_the_bitwise_search(w8, tokens):
     """The candidate ranking (default) and the bitwise search alone ('cand0') choose the same experts in the
-    same order with the same weights, in the front kernel (up to 8 tokens) and in the routing launch."""
+    same order with the same weights, in the front kernel (up to 8 tokens) and in the routing launch. Both on the
+    CUDA-core front ('mma0'): 'cand0' keeps it, and the tensor-core front sums the logits in another order."""
     from kimi_decode.moe_bench import moe_input
     x = moe_input(tokens, D, seed=150 + tokens, device="cuda")
-    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="cand0")
+    a, b = FusedMoE(w8, x, variant="mma0"), FusedMoE(w8, x, variant="cand0-mma0")
     assert b.variant.startswith("cand0+")
     a(), b()
     torch.cuda.synchronize()
@@ -177,10 +178,13 @@ def test_candidate_routing_equals_the_bitwise_search(w8, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_routing_in_front_and_separate_launch_agree(w8, tokens):
-    """Both routing placements run the same selection: identical ids, weights and outputs."""
+    """Both routing placements run the same selection: identical ids, weights and outputs. On the CUDA-core front
+    ('mma0'): the tensor-core front's m_tile (8 routing in it, 64 with the routing launch above 8 tokens) changes
+    the order of the logits' sums."""
     from kimi_decode.moe_bench import moe_input
     x = moe_input(tokens, D, seed=40 + tokens, device="cuda")
-    a, b = FusedMoE(w8, x, separate_routing=False), FusedMoE(w8, x, separate_routing=True)
+    a, b = (FusedMoE(w8, x, separate_routing=False, variant="mma0"),
+            FusedMoE(w8, x, separate_routing=True, variant="mma0"))
     c = FusedMoE(w8, x, separate_routing=False, variant="fring")  # at one token: the ring front
     a(), b(), c()
     torch.cuda.synchronize()
@@ -2081,6 +2085,9 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wsync-wupst4-pf1") == (dict(decoupled=False, stages=4), dict(decoupled=False), "pf1")
     assert mw.parse_wide_options("wdownc16") == ({}, dict(chunk=16), None)
     assert mw.parse_wide_options("wdownr256") == ({}, dict(rows=256, stages=2), None)
+    assert mw.parse_wide_options("wdownr128") == ({}, dict(rows=128, stages=3), None)
+    assert mw.parse_wide_options("wdownr128-wdownst4") == ({}, dict(rows=128, stages=4), None)
+    assert (mw.MoEDownWideKey.rows, mw.MoEDownWideKey.stages) == (256, 2)
     assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):
@@ -2133,12 +2140,12 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wst4", "wdownc16", "wdownr256", "wdownpf0"])
+@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf0", "wdownpf0"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
-    """The synchronous hand-over ('wsync'), the deeper rings ('wst4'), moe_down's 16-token items ('wdownc16'), its
-    256-row items ('wdownr256') and its token ids and weights read at each item's start ('wdownpf0') give the
-    reference too."""
+    """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
+    128-row items ('wdownr128', with and without the next item's ids read ahead) and its token ids and weights read at
+    each item's start ('wdownpf0') give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")

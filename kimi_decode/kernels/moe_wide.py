@@ -19,10 +19,11 @@ the ring, also sums the warps' K parts and applies SiTU (double-buffered, on nam
 go on to the next item. Each CTA also does its share of the shared experts' SiTU and of zeroing the latent partial
 and Σ r² (as the direct moe_up).
 
-moe_down (`MoEDownWideKey`): an expert item is (128 latent rows of W2, one chunk): the chunk's a rows (contiguous
+moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2, one chunk): the chunk's a rows (contiguous
 in `a`, which is grouped by expert) come into the same slot as the item's codes and scales by one more bulk copy,
-and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 8 row groups × 2 halves
-of K that meet in shared memory (`rows=256`: 16 row groups, one warp each with all of K). Each (row, token) sum
+and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 16 row groups of 16
+rows, one warp each with all of K (since run 78; `wdownr128`: 128 rows, 8 row groups × 2 halves of K that meet in
+shared memory, as in run 77). Each (row, token) sum
 times the routing weight goes into the rank's fp32 latent partial by red.add (no per-CTA row-block sum, so only
 the routing tables grow with the tokens); at the CTA's last item of a row block it fences and adds its item count
 to the row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
@@ -33,7 +34,7 @@ barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr256, wdownpf0.
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0.
 """
 
 from dataclasses import dataclass
@@ -46,9 +47,10 @@ WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they a
 CHUNK = 8  # an expert's tokens per item: the mma's n (moe_down: `chunk`, 8 or 16 as two column tiles)
 SH_TOKENS = 8  # tokens per moe_down shared item
 SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
-RBW = 128  # latent rows per moe_down expert item (default): 8 row groups of 16, two warps each splitting K
+RBW = 128  # latent rows per moe_down expert item ('wdownr128'): 8 row groups of 16, two warps each splitting K
 WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
-DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item ('wdownr256': 16 row groups, one warp each, all of K)
+DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item (256, the default: 16 row groups, one warp each, all of K)
+DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the default's two slots hold 64 KB each)
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
@@ -59,7 +61,7 @@ class MoEDownWideKey:
     """moe_down for steps of more than `moe_pipe.PIPE_MAX_M` tokens (module docstring)."""
 
     shape: MoEShape
-    stages: int = 3  # ring slots
+    stages: int = DOWN_STAGES[256]  # ring slots
     ctas: int = H200_SMS
     pdl: bool = False  # (fused_moe.PDL_MAX_TOKENS: PDL only at one token)
     decode: int = 3  # the pair decode's version (mxfp4_decode.VERSIONS)
@@ -70,10 +72,11 @@ class MoEDownWideKey:
     # an expert's tokens per item ('wdownc16'): 8 (one mma column tile) or 16 (two tiles from one decode of the item's
     # codes: an expert with 9-16 tokens reads its rows once instead of twice)
     chunk: int = CHUNK
-    # latent rows per expert item ('wdownr256', with 2 ring slots of twice the bytes): 128, each 16 rows taken by two
-    # warps that split K and meet in shared memory, or 256, each 16 rows by one warp with all of K, which adds its
-    # sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert item)
-    rows: int = RBW
+    # latent rows per expert item: 256 (the default since 2026-12-07, run 78), each 16 rows by one warp with all of K,
+    # which adds its sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert
+    # item), in 2 ring slots; or 128 ('wdownr128', 3 slots, the kernel of run 77), each 16 rows taken by two warps
+    # that split K and meet in shared memory
+    rows: int = 256
     # a lane's token ids and routing weights for the CTA's next expert item read during this one (ids before the mma,
     # weights after it): the two dependent L2 reads off the item's path. False ('wdownpf0'): read at the item's start
     prefetch_ids: bool = True
@@ -93,7 +96,7 @@ class MoEDownWideKey:
         return 32 * (WARPS + 1)
 
 
-def slot_bytes(shape: MoEShape, chunk: int = CHUNK, rows: int = RBW) -> tuple[int, int, int]:
+def slot_bytes(shape: MoEShape, chunk: int = CHUNK, rows: int = 256) -> tuple[int, int, int]:
     """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
     rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
     I, S = shape.inter, shape.shared
@@ -814,8 +817,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     """Take the wide kernels' options out of a '-'-joined variant: (MoEUpWideKey fields, MoEDownWideKey fields, the
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
     kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
-    item), wdownr256 (moe_down's 256-row items), wdownpf0 (moe_down reads an item's token ids and weights at its
-    start instead of during the item before). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
+    wdownpf0 (moe_down reads an item's token ids and weights at its start instead of during the item before). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -827,8 +830,9 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             down["chunk"] = 2 * CHUNK
         elif part == "wdownpf0":
             down["prefetch_ids"] = False
-        elif part == "wdownr256":  # twice the bytes per slot: two slots
-            down["rows"], down["stages"] = 256, down.get("stages", 2)
+        elif m_rows := re.fullmatch(r"wdownr(128|256)", part):  # with its own ring depth unless one is given
+            rows = int(m_rows.group(1))
+            down["rows"], down["stages"] = rows, down.get("stages", DOWN_STAGES[rows])
         elif m:
             for kw in ((up, down) if m.group(1) is None else (up,) if m.group(1) == "up" else (down,)):
                 kw["stages"] = int(m.group(2))
@@ -845,7 +849,7 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     parts = []
     if not up.decoupled and not down.decoupled:
         parts.append("wsync")
-    down_default = 2 if down.rows != RBW else MoEDownWideKey.stages  # (wdownr256 brings two slots)
+    down_default = DOWN_STAGES[down.rows]  # (each row count brings its ring depth)
     if up.stages == down.stages != MoEUpWideKey.stages and down_default == MoEDownWideKey.stages:
         parts.append(f"wst{up.stages}")
     else:
@@ -856,13 +860,15 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
     if down.rows != MoEDownWideKey.rows:
-        parts.append(f"wdownr{down.rows}")
+        parts.insert(0, f"wdownr{down.rows}")
     if not down.prefetch_ids:
         parts.append("wdownpf0")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownst4", "wst4", "wdownc16", "wdownr256", "wdownpf0")  # built at TP8 without PDL (as the steps above 8 tokens run)
+# run 77's default (wdownr128-wdownpf0) and the options measured against the current one; the 4-slot moe_down forms
+# (wst4, wdownst4) fit 128-row items only (run 77: no faster)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
