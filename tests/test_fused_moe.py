@@ -2042,7 +2042,9 @@ def test_wide_expert_kernels_are_chosen_above_eight_tokens_and_built_ahead_of_ti
                 if m <= kp.PIPE_MAX_M:
                     assert isinstance(down, kp.MoEDownPipeKey) and isinstance(up, kp.MoEUpPipeKey), m
                 else:
-                    assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl), mw.MoEDownWideKey(s, pdl=pdl), "wide")
+                    assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl),
+                                                mw.MoEDownWideKey(s, pdl=pdl, **mw.down_defaults(s)), "wide")
+                    assert down.rows == (256 if tp == 8 else 128)  # TP16: 128 until a GPU checks 256 there
                     assert up in built and down in built, (tp, m, pdl)
                     assert mw.down_wide_smem_bytes(down) <= kp.SMEM_BUDGET
                     assert mw.up_wide_smem_bytes(up) <= kp.SMEM_BUDGET
@@ -2088,6 +2090,12 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wdownr128") == ({}, dict(rows=128, stages=3), None)
     assert mw.parse_wide_options("wdownr128-wdownst4") == ({}, dict(rows=128, stages=4), None)
     assert (mw.MoEDownWideKey.rows, mw.MoEDownWideKey.stages) == (256, 2)
+    assert mw.parse_wide_options("wdownpf-wdownpf0") == ({}, dict(prefetch_ids=False), None)
+    # the defaults by TP: TP8 256-row items reading ahead (run 78), TP16 run 77's kernel until a GPU checks the other
+    assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=True)
+    assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=128, stages=3, prefetch_ids=False)
+    s16 = km.shapes_for_tp(16)
+    assert expert_kernel_keys(s16, 64, variant="wdownr256-wdownpf", pdl=False)[1] in mw.DOWN_WIDE.aot_keys("sm_90a")
     assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):

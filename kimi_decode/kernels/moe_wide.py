@@ -51,6 +51,16 @@ RBW = 128  # latent rows per moe_down expert item ('wdownr128'): 8 row groups of
 WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
 DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item (256, the default: 16 row groups, one warp each, all of K)
 DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the default's two slots hold 64 KB each)
+# moe_down's defaults by TP: 256-row items with the next item's ids read ahead where a GPU checked and timed them (TP8,
+# run 78); TP16 keeps run 77's kernel (128 rows, no read-ahead) until a GPU run checks the other there (its key is
+# built: 'wdownr256-wdownpf')
+DOWN_DEFAULTS_BY_TP = {8: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=True),
+                       16: dict(rows=128, stages=DOWN_STAGES[128], prefetch_ids=False)}
+
+
+def down_defaults(shape: MoEShape) -> dict:
+    """The MoEDownWideKey fields a step takes by default at this shape's TP (rows per item, ring depth, read-ahead)."""
+    return dict(DOWN_DEFAULTS_BY_TP.get(shape.tp, DOWN_DEFAULTS_BY_TP[16]))
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
@@ -79,7 +89,7 @@ class MoEDownWideKey:
     rows: int = 256
     # a lane's token ids and routing weights for the CTA's next expert item read during this one (ids before the mma,
     # weights after it): the two dependent L2 reads off the item's path. False ('wdownpf0'): read at the item's start
-    prefetch_ids: bool = True
+    prefetch_ids: bool = True  # (the executor's defaults by TP: `down_defaults`)
     arch: str = "sm_90a"
 
     @property
@@ -818,7 +828,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
     kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
     item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
-    wdownpf0 (moe_down reads an item's token ids and weights at its start instead of during the item before). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start / during the item before; the
+    defaults by TP are `down_defaults`'). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -828,8 +839,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
-        elif part == "wdownpf0":
-            down["prefetch_ids"] = False
+        elif m_pf := re.fullmatch(r"wdownpf([01]?)", part):
+            down["prefetch_ids"] = m_pf.group(1) != "0"
         elif m_rows := re.fullmatch(r"wdownr(128|256)", part):  # with its own ring depth unless one is given
             rows = int(m_rows.group(1))
             down["rows"], down["stages"] = rows, down.get("stages", DOWN_STAGES[rows])
@@ -850,7 +861,9 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     if not up.decoupled and not down.decoupled:
         parts.append("wsync")
     down_default = DOWN_STAGES[down.rows]  # (each row count brings its ring depth)
-    if up.stages == down.stages != MoEUpWideKey.stages and down_default == MoEDownWideKey.stages:
+    dflt = down_defaults(down.shape)
+    default_rows = dflt["rows"]
+    if up.stages == down.stages != MoEUpWideKey.stages and down_default == DOWN_STAGES[default_rows]:
         parts.append(f"wst{up.stages}")
     else:
         if up.stages != MoEUpWideKey.stages:
@@ -859,10 +872,10 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
             parts.append(f"wdownst{down.stages}")
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
-    if down.rows != MoEDownWideKey.rows:
+    if down.rows != default_rows:
         parts.insert(0, f"wdownr{down.rows}")
-    if not down.prefetch_ids:
-        parts.append("wdownpf0")
+    if down.prefetch_ids != dflt["prefetch_ids"]:
+        parts.append("wdownpf" if down.prefetch_ids else "wdownpf0")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
@@ -873,10 +886,13 @@ AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdown
 
 def _aot_keys(make):
     def keys(arch: str):
-        out = [make(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
+        dflt = down_defaults if make is MoEDownWideKey else (lambda shape: {})
+        out = [make(shapes_for_tp(tp), pdl=p, arch=arch, **dflt(shapes_for_tp(tp))) for tp in (8, 16) for p in (False, True)]
+        if make is MoEDownWideKey:  # TP8's default at TP16 too ('wdownr256-wdownpf'), for the GPU run that checks it
+            out.append(make(shapes_for_tp(16), pdl=False, arch=arch, **DOWN_DEFAULTS_BY_TP[8]))
         for v in AOT_WIDE_VARIANTS:
             kw = parse_wide_options(v)[0 if make is MoEUpWideKey else 1]
-            key = make(shapes_for_tp(8), pdl=False, arch=arch, **kw)
+            key = make(shapes_for_tp(8), pdl=False, arch=arch, **{**dflt(shapes_for_tp(8)), **kw})
             if key not in out:
                 out.append(key)
         return out
@@ -891,4 +907,4 @@ UP_WIDE = kc.register(kc.KernelSpec(name="moe_up_wide", module=__name__, key_typ
                                     aot_keys=_aot_keys(MoEUpWideKey),
                                     ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "shfl.sync.up")))
 
-__all__ = ["MoEDownWideKey", "MoEUpWideKey", "up_wide_smem_bytes", "parse_wide_options", "wide_variant_name", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
+__all__ = ["MoEDownWideKey", "MoEUpWideKey", "down_defaults", "up_wide_smem_bytes", "parse_wide_options", "wide_variant_name", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
