@@ -180,7 +180,7 @@ class MoEFrontKey:
     mma: bool = False
     # ('mrowsR[wW]', tensor cores at 64 tokens) R rows a CTA over W warps instead of `gemv.mma_tiling`'s 32 over 4:
     # every CTA reads all of x (64 tokens: 917 KB at K 7168) from L2, so 32-row CTAs read twice the weight's bytes
-    # of x again. 0: the default tiling
+    # of x again. Run 78 (H100): no faster (front 51.9-68.2 µs against 49.2 at 64 tokens). 0: the default tiling
     mma_rows: int = 0
     mma_warps: int = 0
     arch: str = "sm_90a"
@@ -1327,7 +1327,8 @@ M8_TILES = (1, 8)  # 'mtfit0': m_tile 8 from 2 tokens on (before run 49; run 48 
 # m_tile 8: 1.2-1.35x) and 6x faster than the CUDA-core one at 64 tokens
 MMA_TILES = (8, 64)
 MMA_MIN_TOKENS = 5
-# the 'mrowsR[wW]' tilings built ahead of time at TP8, (rows, warps; 0: 4)
+# the 'mrowsR[wW]' tilings built ahead of time at TP8, (rows, warps; 0: 4): slower than the default in run 78 (H100),
+# built for the record
 MMA_ROWS_BUILT = ((64, 0), (64, 8))
 
 

@@ -19,11 +19,11 @@ the ring, also sums the warps' K parts and applies SiTU (double-buffered, on nam
 go on to the next item. Each CTA also does its share of the shared experts' SiTU and of zeroing the latent partial
 and Σ r² (as the direct moe_up).
 
-moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2, one chunk): the chunk's a rows (contiguous
+moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2 at TP8, one chunk): the chunk's a rows (contiguous
 in `a`, which is grouped by expert) come into the same slot as the item's codes and scales by one more bulk copy,
 and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 16 row groups of 16
-rows, one warp each with all of K (since run 78; `wdownr128`: 128 rows, 8 row groups × 2 halves of K that meet in
-shared memory, as in run 77). Each (row, token) sum
+rows, one warp each with all of K (at TP8 since run 78, `down_defaults`; `wdownr128` and TP16: 128 rows, 8 row groups
+× 2 halves of K that meet in shared memory, as in run 77). Each (row, token) sum
 times the routing weight goes into the rank's fp32 latent partial by red.add (no per-CTA row-block sum, so only
 the routing tables grow with the tokens); at the CTA's last item of a row block it fences and adds its item count
 to the row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
@@ -56,14 +56,14 @@ DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the de
 # built: 'wdownr256-wdownpf')
 DOWN_DEFAULTS_BY_TP = {8: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=True),
                        16: dict(rows=128, stages=DOWN_STAGES[128], prefetch_ids=False)}
+MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
+INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
+INFO_MASK = (1 << INFO_SHIFT) - 1
 
 
 def down_defaults(shape: MoEShape) -> dict:
     """The MoEDownWideKey fields a step takes by default at this shape's TP (rows per item, ring depth, read-ahead)."""
     return dict(DOWN_DEFAULTS_BY_TP.get(shape.tp, DOWN_DEFAULTS_BY_TP[16]))
-MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
-INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
-INFO_MASK = (1 << INFO_SHIFT) - 1
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,16 @@ class MoEDownWideKey:
     # an expert's tokens per item ('wdownc16'): 8 (one mma column tile) or 16 (two tiles from one decode of the item's
     # codes: an expert with 9-16 tokens reads its rows once instead of twice)
     chunk: int = CHUNK
-    # latent rows per expert item: 256 (the default since 2026-12-07, run 78), each 16 rows by one warp with all of K,
+    # latent rows per expert item: 256 (TP8's default since 2026-12-07, run 78), each 16 rows by one warp with all of K,
     # which adds its sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert
     # item), in 2 ring slots; or 128 ('wdownr128', 3 slots, the kernel of run 77), each 16 rows taken by two warps
     # that split K and meet in shared memory
     rows: int = 256
     # a lane's token ids and routing weights for the CTA's next expert item read during this one (ids before the mma,
-    # weights after it): the two dependent L2 reads off the item's path. False ('wdownpf0'): read at the item's start
-    prefetch_ids: bool = True  # (the executor's defaults by TP: `down_defaults`)
+    # weights after it), meant to take the two dependent L2 reads off the item's path; False ('wdownpf0'): read at the
+    # item's start. Run 78 (H100, batch 64): 128-row items 281 µs with it against 243 without; the 256-row default
+    # was timed with it (208 µs), not yet without. The executor's defaults by TP: `down_defaults`
+    prefetch_ids: bool = True
     arch: str = "sm_90a"
 
     @property
