@@ -483,8 +483,7 @@ def build_down_wide(key: MoEDownWideKey):
             cute.arch.griddepcontrol_launch_dependents()
         g = lane // 4
         c = lane - 4 * g
-        cols = [CHUNK * j + 2 * c + x for j in range(NT) for x in range(2)]  # a lane's columns, tile-major as the sums
-        tsr = cute.make_rmem_tensor((2 * NT,), Int32)  # (prefetch_ids) the next expert item's token ids and weights
+        tsr = cute.make_rmem_tensor((2 * NT,), Int32)  # an expert item's token ids and weights (prefetch_ids: the next one's)
         wsr = cute.make_rmem_tensor((2 * NT,), Float32)
         if const_expr(PF):
             if warp < WARPS:
@@ -505,9 +504,9 @@ def build_down_wide(key: MoEDownWideKey):
                         if i + 1 < n_e:
                             next_ids(k + 1, nch, c, s_cinfo, s_cpair, mTok, tsr)
                     else:  # this lane's two tokens and their routing weights, read while the item computes (L2)
-                        p0 = s_cpair[ch]
-                        ts = [mTok[p0 + cutlass.min(col, n - 1)] for col in cols]
-                        ws = [mWe[info >> INFO_SHIFT, t_] for t_ in ts]
+                        next_weights(next_ids(k, nch, c, s_cinfo, s_cpair, mTok, tsr), mWe, tsr, wsr)
+                        ts = [tsr[q] for q in range(2 * NT)]
+                        ws = [wsr[q] for q in range(2 * NT)]
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
                     r0 = 16 * (warp % RG) + g
                     if const_expr(KS == 1):  # all of K: this warp's rows are complete
