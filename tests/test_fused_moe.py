@@ -2091,6 +2091,9 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wdownr128-wdownst4") == ({}, dict(rows=128, stages=4), None)
     assert (mw.MoEDownWideKey.rows, mw.MoEDownWideKey.stages) == (256, 2)
     assert mw.parse_wide_options("wdownpf-wdownpf0") == ({}, dict(prefetch_ids=False), None)
+    assert mw.parse_wide_options("wzpar") == (dict(z_parallel=True), {}, None)
+    assert mw.parse_wide_options("wzpar-wzpar0-pf1") == (dict(z_parallel=False), {}, "pf1")
+    assert mw.MoEUpWideKey.z_parallel is False  # the row-by-row staging stays the default until a GPU times 'wzpar'
     # the defaults by TP: TP8 256-row items reading ahead (run 78), TP16 run 77's kernel until a GPU checks the other
     assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=True)
     assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=128, stages=3, prefetch_ids=False)
@@ -2113,6 +2116,9 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
         assert "bar.arrive" not in kc.ptx_text(key)
     for key in (mw.MoEUpWideKey(s), mw.MoEDownWideKey(s)):  # the decoupled hand-over: named barriers' bar.arrive
         assert "bar.arrive" in kc.ptx_text(key)
+    zpar = mw.MoEUpWideKey(s, z_parallel=True)  # all of a chunk's z loads in registers at once: no spills
+    res = kc.resource_usage(zpar)
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
 
 
 def test_wide_expert_kernels_refuse_bad_keys():
@@ -2148,7 +2154,8 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf0", "wdownpf0"])
+@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf0", "wdownpf0",
+                                     "wzpar"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
     """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
@@ -2159,6 +2166,27 @@ def test_wide_options_match_the_reference(w8, variant, tokens):
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
     assert r["all_written"] and r["check_ok"], (variant, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,same", [(9, False), (64, False), (512, False), (64, True), (512, True)])
+def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
+    """moe_up (wide) staging each chunk's z with all its loads in flight ('wzpar') stages the same bf16 values in the
+    same places for the chunk's tokens, so its output a (every (expert, token) pair's SiTU) equals the default's bit
+    for bit, also where an expert has many chunks (`same`: every token on the same 16 experts) and with chunks of
+    fewer than 8 tokens (9 tokens)."""
+    from kimi_decode.moe_bench import moe_input
+    if same:
+        x = moe_input(1, D, seed=360, device="cuda").repeat(tokens, 1)
+    else:
+        x = moe_input(tokens, D, seed=361 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wzpar")
+    assert b.variant.endswith("wide@wzpar"), b.variant
+    a(), b()
+    torch.cuda.synchronize()
+    n = int(a.ids.numel())  # (expert, token) pairs of the step
+    assert torch.isfinite(a.a[:n]).all() and torch.equal(a.a[:n], b.a[:n])
+    assert torch.equal(a.a_sh, b.a_sh)
 
 
 @pytest.mark.gpu

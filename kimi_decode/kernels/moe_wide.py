@@ -34,7 +34,7 @@ barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0.
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0, wzpar.
 """
 
 from dataclasses import dataclass
@@ -613,6 +613,11 @@ class MoEUpWideKey:
     # to the next item after writing their sums (bar.arrive) instead of meeting on a barrier and waiting for warp 0's
     # epilogue and a CTA barrier. False ('wsync'): as moe_down's decoupled=False
     decoupled: bool = True
+    # how a CTA stages a new chunk's z: True ('wzpar') every thread loads the chunk's 8 token ids at once, then all of
+    # its z words (8 rows × 8 fp32 a thread at TP8) before any store: two dependent L2 round trips a chunk. False: a
+    # runtime loop over the chunk's rows, each waiting for its token id and then its z words (two round trips a row,
+    # up to 16 a chunk; a CTA stages about 5 chunks at batch 64)
+    z_parallel: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -637,6 +642,9 @@ def up_wide_smem_bytes(key: MoEUpWideKey) -> int:
 def check_up_key(key: MoEUpWideKey) -> None:
     if key.shape.inter % UP_ROWS or (L // SB) != 2 * UP_WARPS:
         raise ValueError(f"moe_up (wide) needs {UP_ROWS}-row blocks and {2 * UP_WARPS} super-blocks per row")
+    if key.z_parallel and (L // 8) % (32 * UP_WARPS):
+        raise ValueError(f"moe_up (wide) 'wzpar' gives each compute thread whole 8-value blocks of a z row: L / 8 = "
+                         f"{L // 8} is not a multiple of its {32 * UP_WARPS} threads")
     check_ring("moe_up", key.stages, up_wide_smem_bytes(key))
 
 
@@ -667,6 +675,8 @@ def build_up_wide(key: MoEUpWideKey):
     DEC = key.decoupled
     NB = 2 if DEC else 1
     EPI_READY, EPI_DONE = 4, 6  # (decoupled) named barriers 4 + b: sums of buffer b written; 6 + b: read
+    ZPAR = key.z_parallel
+    ZCOLS = (L // 8) // CW  # (wzpar) 8-value column blocks of a z row per compute thread
     bulk = bulk_g2s()
 
     @cute.jit
@@ -767,13 +777,22 @@ def build_up_wide(key: MoEUpWideKey):
                         cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     p0 = s_cpair[ch]
                     num = s_cinfo[ch] & INFO_MASK
-                    for idx in cutlass.range(tid, num * (L // 8), CW):
-                        r = idx // (L // 8)
-                        o = idx - r * (L // 8)
-                        t = mTok[p0 + r]  # (8 ids, cached after the first thread's load)
-                        v0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
-                        v1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
-                        store_b_order(sz, r, o, [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]])
+                    if const_expr(ZPAR):  # rows past the chunk's tokens repeat its last one (their mma columns unused)
+                        toks = [mTok[p0 + cutlass.min(Int32(r), num - 1)] for r in range(CHUNK)]
+                        for j in cutlass.range_constexpr(ZCOLS):
+                            o = tid + CW * j
+                            v = [[gF[(None, (toks[r], Z0 // 4 + 2 * o + h))].load() for h in range(2)]
+                                 for r in range(CHUNK)]
+                            for r in cutlass.range_constexpr(CHUNK):
+                                store_b_order(sz, r, o, [v[r][h][e] for h in range(2) for e in range(4)])
+                    else:
+                        for idx in cutlass.range(tid, num * (L // 8), CW):
+                            r = idx // (L // 8)
+                            o = idx - r * (L // 8)
+                            t = mTok[p0 + r]  # (8 ids, cached after the first thread's load)
+                            v0 = gF[(None, (t, Z0 // 4 + 2 * o))].load()
+                            v1 = gF[(None, (t, Z0 // 4 + 2 * o + 1))].load()
+                            store_b_order(sz, r, o, [v0[0], v0[1], v0[2], v0[3], v1[0], v1[1], v1[2], v1[3]])
                     cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     cur = ch
                 cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
@@ -830,7 +849,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
     item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
     wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start / during the item before; the
-    defaults by TP are `down_defaults`'). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    defaults by TP are `down_defaults`'), wzpar / wzpar0 (moe_up stages a chunk's z with all its loads in flight / row
+    by row, the default). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -840,6 +860,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
+        elif m_z := re.fullmatch(r"wzpar([01]?)", part):
+            up["z_parallel"] = m_z.group(1) != "0"
         elif m_pf := re.fullmatch(r"wdownpf([01]?)", part):
             down["prefetch_ids"] = m_pf.group(1) != "0"
         elif m_rows := re.fullmatch(r"wdownr(128|256)", part):  # with its own ring depth unless one is given
@@ -873,6 +895,8 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
             parts.append(f"wdownst{down.stages}")
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
+    if up.z_parallel != MoEUpWideKey.z_parallel:
+        parts.append("wzpar" if up.z_parallel else "wzpar0")
     if down.rows != default_rows:
         parts.insert(0, f"wdownr{down.rows}")
     if down.prefetch_ids != dflt["prefetch_ids"]:
@@ -882,7 +906,7 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
 
 # run 77's default (wdownr128-wdownpf0) and the options measured against the current one; the 4-slot moe_down forms
 # (wst4, wdownst4) fit 128-row items only (run 77: no faster)
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128", "wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
