@@ -2094,6 +2094,9 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wzpar") == (dict(z_parallel=True), {}, None)
     assert mw.parse_wide_options("wzpar-wzpar0-pf1") == (dict(z_parallel=False), {}, "pf1")
     assert mw.MoEUpWideKey.z_parallel is False  # the row-by-row staging stays the default until a GPU times 'wzpar'
+    assert mw.parse_wide_options("wdownsh16") == ({}, dict(shared_tokens=16), None)
+    with pytest.raises(ValueError, match="tokens per shared item"):
+        mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), shared_tokens=32))
     # the defaults by TP: TP8 256-row items reading ahead (run 78), TP16 run 77's kernel until a GPU checks the other
     assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=True)
     assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=128, stages=3, prefetch_ids=False)
@@ -2155,7 +2158,7 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf0", "wdownpf0",
-                                     "wzpar"])
+                                     "wzpar", "wdownsh16"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
     """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
@@ -2187,6 +2190,23 @@ def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
     n = int(a.ids.numel())  # (expert, token) pairs of the step
     assert torch.isfinite(a.a[:n]).all() and torch.equal(a.a[:n], b.a[:n])
     assert torch.equal(a.a_sh, b.a_sh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [9, 17, 64, 100, 512])
+def test_wide_shared_items_of_16_tokens_give_the_same_shared_partial(w8, tokens):
+    """moe_down (wide) with 16 tokens per shared item ('wdownsh16': one A fragment against two token tiles) writes the
+    rank's shared partial bit for bit as the 8-token items do (each token's sum runs over the same warps in the same
+    K order), at token counts that leave a short last tile (9, 17, 100) and at 512."""
+    from kimi_decode.moe_bench import moe_input
+    x = moe_input(tokens, D, seed=370 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wdownsh16")
+    assert b.variant.endswith("wide@wdownsh16"), b.variant
+    for ex in (a, b):  # poisoned: every element must be written
+        ex.sh[0].fill_(float("nan"))
+    a(), b()
+    torch.cuda.synchronize()
+    assert torch.isfinite(a.sh[0][:tokens]).all() and torch.equal(a.sh[0][:tokens], b.sh[0][:tokens])
 
 
 @pytest.mark.gpu

@@ -34,7 +34,8 @@ barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0, wzpar.
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0, wzpar,
+wdownsh16.
 """
 
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ class MoEDownWideKey:
     # item's start. Run 78 (H100, batch 64): 128-row items 281 µs with it against 243 without; the 256-row default
     # was timed with it (208 µs), not yet without. The executor's defaults by TP: `down_defaults`
     prefetch_ids: bool = True
+    # tokens per shared item ('wdownsh16': 16, two mma column tiles): the shared down rows (24.6 KB an item at TP8) are
+    # read once per 16 tokens instead of once per 8 (at batch 64: 1792 shared items instead of 3584)
+    shared_tokens: int = SH_TOKENS
     arch: str = "sm_90a"
 
     @property
@@ -108,21 +112,23 @@ class MoEDownWideKey:
         return 32 * (WARPS + 1)
 
 
-def slot_bytes(shape: MoEShape, chunk: int = CHUNK, rows: int = 256) -> tuple[int, int, int]:
+def slot_bytes(shape: MoEShape, chunk: int = CHUNK, rows: int = 256, shared_tokens: int = SH_TOKENS
+               ) -> tuple[int, int, int]:
     """(weight, scale, activation) bytes of one ring slot: an expert item's W2 codes and scales and its chunk's a
     rows, or a shared item's bf16 rows and its tokens' a_shared rows (the larger of each)."""
     I, S = shape.inter, shape.shared
     w = max(rows * I // 2, SH_ROWS * S * 2)
     s = rows * I // 32
-    a = max(chunk * I * 2, SH_TOKENS * S * 2)
+    a = max(chunk * I * 2, shared_tokens * S * 2)
     return w, s, a
 
 
 def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
     """Dynamic shared memory of one CTA (each allocation rounded up to its 128-byte alignment)."""
-    w, s, a = slot_bytes(key.shape, key.chunk, key.rows)
+    w, s, a = slot_bytes(key.shape, key.chunk, key.rows, key.shared_tokens)
     parts = [key.stages * w, key.stages * s, key.stages * a,  # the ring
-             (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4 * key.chunk // CHUNK,  # each compute warp's mma sums
+             # each compute warp's mma sums (of the wider of an expert item's chunk and a shared item's tokens)
+             (2 if key.decoupled else 1) * 4 * WARPS * 32 * 4 * max(key.chunk, key.shared_tokens) // CHUNK,
              *tail_bytes(key.stages)]
     return sum(-(-p // 128) * 128 for p in parts)
 
@@ -185,6 +191,9 @@ def check_key(key: MoEDownWideKey) -> None:
         raise ValueError(f"moe_down (wide) rows per item must be one of {DOWN_ROWS}, got {key.rows}")
     if key.chunk not in (CHUNK, 2 * CHUNK):
         raise ValueError(f"moe_down (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
+    if key.shared_tokens not in (SH_TOKENS, 2 * SH_TOKENS):
+        raise ValueError(f"moe_down (wide) takes {SH_TOKENS} or {2 * SH_TOKENS} tokens per shared item, got "
+                         f"{key.shared_tokens}")
     check_ring("moe_down", key.stages, down_wide_smem_bytes(key))
 
 
@@ -257,7 +266,10 @@ def build_down_wide(key: MoEDownWideKey):
     REFILL = 32 * WARPS  # the producer warp's first thread streams the ring
     CH = key.chunk
     NT = CH // CHUNK  # the mma's column tiles per expert item
-    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh, CH, RBW)
+    SHT = key.shared_tokens  # tokens per shared item
+    NTS = SHT // CHUNK  # the mma's column tiles per shared item
+    NTK = max(NT, NTS)  # column tiles of the mma sums that meet in shared memory
+    W_SLOT, S_SLOT, A_SLOT = slot_bytes(sh, CH, RBW, SHT)
     W_BYTES = RBW * I // 2  # an expert item's codes
     SH_BYTES = SH_ROWS * S * 2  # a shared item's rows
     WROW, SROW = I // 8, I // 32  # code words and scale bytes per W2 row
@@ -321,16 +333,16 @@ def build_down_wide(key: MoEDownWideKey):
                 bulk(s_base + slot * S_SLOT, mS2.iterator.toint() + Int64(row) * SROW, RBW * SROW, b)
             if const_expr(ACTS):
                 bulk(a_base + slot * A_SLOT, mA.iterator.toint() + Int64(s_cpair[ch]) * (I * 2), n * (I * 2), b)
-        else:  # shared item: 16 shared-down rows, up to 8 tokens' a_shared
+        else:  # shared item: 16 shared-down rows, up to SHT tokens' a_shared
             s_ = k - ne
             rsb = s_ // tt
             t8 = s_ - rsb * tt
-            nt = cutlass.min(M - SH_TOKENS * t8, SH_TOKENS)
+            nt = cutlass.min(M - SHT * t8, SHT)
             if const_expr(WEIGHTS):
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, SH_BYTES + nt * (S * 2))
                 bulk(w_base + slot * W_SLOT, mWd.iterator.toint() + Int64(rsb) * SH_BYTES, SH_BYTES, b)
             if const_expr(ACTS):
-                bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (SH_TOKENS * S * 2), nt * (S * 2), b)
+                bulk(a_base + slot * A_SLOT, mAsh.iterator.toint() + Int64(t8) * (SHT * S * 2), nt * (S * 2), b)
 
     @cute.jit
     def next_ids(k: Int32, nch: Int32, c: Int32, s_cinfo: cute.Tensor, s_cpair: cute.Tensor, mTok: cute.Tensor,
@@ -419,19 +431,19 @@ def build_down_wide(key: MoEDownWideKey):
                                       byte_alignment=128)
         ring_a = smem.allocate_tensor(Int32, cute.make_layout((ST, A_SLOT // 4), stride=(A_SLOT // 4, 1)),
                                       byte_alignment=128)
-        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4 * NT),
-                                                               stride=(WARPS * 128 * NT, 128 * NT, 4 * NT, 1)),
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, WARPS, 32, 4 * NTK),
+                                                               stride=(WARPS * 128 * NTK, 128 * NTK, 4 * NTK, 1)),
                                      byte_alignment=128)
         s_meta, s_act, s_list, s_cpair, s_cinfo, bars, flag = carve_tables(smem, ST)
         pbar = bars.iterator + ST  # the routing tables' bulk copy
         # views of the ring: an expert item's codes [rows, words] and a rows [8, I/2]; a shared item's bf16 rows
-        # [16, S/2] and a_shared rows [8, S/2]
+        # [16, S/2] and a_shared rows [SHT, S/2]
         gW = cute.zipped_divide(cute.make_tensor(ring_w.iterator, cute.make_layout(
             (ST, RBW, WROW), stride=(W_SLOT // 4, WROW, 1))), (1, 1, 4))
         gA = cute.zipped_divide(cute.make_tensor(ring_a.iterator, cute.make_layout(
             (ST, CH, I // 2), stride=(A_SLOT // 4, I // 2, 1))), (1, 1, 4))
         sWd = cute.make_tensor(ring_w.iterator, cute.make_layout((ST, SH_ROWS, S // 2), stride=(W_SLOT // 4, S // 2, 1)))
-        sAs = cute.make_tensor(ring_a.iterator, cute.make_layout((ST, SH_TOKENS, S // 2), stride=(A_SLOT // 4, S // 2, 1)))
+        sAs = cute.make_tensor(ring_a.iterator, cute.make_layout((ST, SHT, S // 2), stride=(A_SLOT // 4, S // 2, 1)))
 
         if tid == 0:
             cute.arch.mbarrier_init(pbar, 1)
@@ -446,7 +458,7 @@ def build_down_wide(key: MoEDownWideKey):
             chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane, CH)
         cute.arch.barrier()
         nch = flag[1]
-        tt = (M + (SH_TOKENS - 1)) // SH_TOKENS  # shared items per shared row block (token tiles)
+        tt = (M + (SHT - 1)) // SHT  # shared items per shared row block (token tiles)
         ne = NBD * nch
         nsh = NSHB * tt
         # this CTA's items: a run of expert items, then a run of shared items; the expert items' extras to CTAs
@@ -545,32 +557,36 @@ def build_down_wide(key: MoEDownWideKey):
                 if i + 1 == n_e or (k + 1) // nch != rb:  # this CTA's last item of the row block
                     complete_row_block(rb, k + 1 - cutlass.max(lo_e, rb * nch), nch, flag, mLat, mCoef, mR, mNorm,
                                        mSsq, mCnt, M, tid, warp, lane)
-            else:  # 16 rows of the shared down projection against up to 8 tokens: this rank's shared partial
+            else:  # 16 rows of the shared down projection against up to SHT tokens: this rank's shared partial
                 s_ = k - ne
                 rsb = s_ // tt
                 t8 = s_ - rsb * tt
                 if warp < WARPS:
                     cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
-                    acc = [Float32(0.0)] * 4
+                    acc = [[Float32(0.0)] * 4 for _ in range(NTS)]
                     for u in cutlass.range_constexpr(KSW):
                         ks = warp + WARPS * u
                         if ks < KSTEPS:
                             wo = 8 * ks + c
-                            acc = mma([sWd[slot, g, wo], sWd[slot, g + 8, wo], sWd[slot, g, wo + 4],
-                                       sWd[slot, g + 8, wo + 4]], [sAs[slot, g, wo], sAs[slot, g, wo + 4]], acc)
-                    for r in cutlass.range_constexpr(4):
-                        kpart[i % NB, warp, lane, r] = acc[r]
+                            wa = [sWd[slot, g, wo], sWd[slot, g + 8, wo], sWd[slot, g, wo + 4], sWd[slot, g + 8, wo + 4]]
+                            for j in cutlass.range_constexpr(NTS):  # one A fragment, NTS token tiles
+                                acc[j] = mma(wa, [sAs[slot, CHUNK * j + g, wo], sAs[slot, CHUNK * j + g, wo + 4]],
+                                             acc[j])
+                    for j in cutlass.range_constexpr(NTS):
+                        for r in cutlass.range_constexpr(4):
+                            kpart[i % NB, warp, lane, 4 * j + r] = acc[j][r]
                     cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
                     if warp == 0:
-                        tot = [kpart[i % NB, 0, lane, r] for r in range(4)]
+                        tot = [kpart[i % NB, 0, lane, r] for r in range(4 * NTS)]
                         for w_ in cutlass.range_constexpr(1, WARPS):
-                            for r in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(4 * NTS):
                                 tot[r] = tot[r] + kpart[i % NB, w_, lane, r]
-                        for x in cutlass.range_constexpr(2):
-                            t = SH_TOKENS * t8 + 2 * c + x
-                            if t < M:
-                                mSh[0, t, rsb * SH_ROWS + g] = tot[x].to(BFloat16)
-                                mSh[0, t, rsb * SH_ROWS + g + 8] = tot[2 + x].to(BFloat16)
+                        for j in cutlass.range_constexpr(NTS):
+                            for x in cutlass.range_constexpr(2):
+                                t = SHT * t8 + CHUNK * j + 2 * c + x
+                                if t < M:
+                                    mSh[0, t, rsb * SH_ROWS + g] = tot[4 * j + x].to(BFloat16)
+                                    mSh[0, t, rsb * SH_ROWS + g + 8] = tot[4 * j + 2 + x].to(BFloat16)
                 hand_back(slot, warp)
                 if tid == REFILL:
                     if i + ST < n_items:
@@ -850,7 +866,7 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
     wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start / during the item before; the
     defaults by TP are `down_defaults`'), wzpar / wzpar0 (moe_up stages a chunk's z with all its loads in flight / row
-    by row, the default). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    by row, the default), wdownsh16 (moe_down's shared items take 16 tokens). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -860,6 +876,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
+        elif part == "wdownsh16":
+            down["shared_tokens"] = 2 * SH_TOKENS
         elif m_z := re.fullmatch(r"wzpar([01]?)", part):
             up["z_parallel"] = m_z.group(1) != "0"
         elif m_pf := re.fullmatch(r"wdownpf([01]?)", part):
@@ -895,6 +913,8 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
             parts.append(f"wdownst{down.stages}")
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
+    if down.shared_tokens != MoEDownWideKey.shared_tokens:
+        parts.append(f"wdownsh{down.shared_tokens}")
     if up.z_parallel != MoEUpWideKey.z_parallel:
         parts.append("wzpar" if up.z_parallel else "wzpar0")
     if down.rows != default_rows:
@@ -906,7 +926,8 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
 
 # run 77's default (wdownr128-wdownpf0) and the options measured against the current one; the 4-slot moe_down forms
 # (wst4, wdownst4) fit 128-row items only (run 77: no faster)
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128", "wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128", "wzpar", "wdownsh16",
+                     "wdownsh16-wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
 
 
 def _aot_keys(make):
