@@ -194,6 +194,17 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     torch.testing.assert_close(c.wts, b.wts, rtol=1e-5, atol=0)
 
 
+def _a_by_pair(ex):
+    """(keys, rows) of a step's moe_up output `a`, sorted by (expert, token): the routing fills each expert's token list
+    by shared-memory atomics, so the order of an expert's tokens in `a` can differ from one step to the next."""
+    n = int(ex.meta[0])
+    expert = torch.repeat_interleave(ex.act[:n].long(), ex.list[:n, 1].long())
+    rows = torch.cat([torch.arange(int(o), int(o) + int(c), device=ex.a.device) for o, c in ex.list[:n].tolist()])
+    keys = expert * ex.ids.shape[0] + ex.tok[rows].long()
+    order = torch.argsort(keys)
+    return keys[order], ex.a[rows[order]]
+
+
 def _same_up_to_summation_order(h, g):
     """Equal but for the order in which moe_down's expert-split CTAs add into the fp32 latent partial
     (`red.add`, in arrival order): at most one bf16 rounding step apart."""
@@ -2044,7 +2055,7 @@ def test_wide_expert_kernels_are_chosen_above_eight_tokens_and_built_ahead_of_ti
                 else:
                     assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl),
                                                 mw.MoEDownWideKey(s, pdl=pdl, **mw.down_defaults(s)), "wide")
-                    assert down.rows == (256 if tp == 8 else 128)  # TP16: 128 until a GPU checks 256 there
+                    assert down.rows == 256 and down.prefetch_ids == (tp == 16)  # each the kernel a GPU checked there
                     assert up in built and down in built, (tp, m, pdl)
                     assert mw.down_wide_smem_bytes(down) <= kp.SMEM_BUDGET
                     assert mw.up_wide_smem_bytes(up) <= kp.SMEM_BUDGET
@@ -2097,11 +2108,15 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wdownsh16") == ({}, dict(shared_tokens=16), None)
     with pytest.raises(ValueError, match="tokens per shared item"):
         mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), shared_tokens=32))
-    # the defaults by TP: TP8 256-row items reading ahead (run 78), TP16 run 77's kernel until a GPU checks the other
-    assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=True)
-    assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=128, stages=3, prefetch_ids=False)
+    # the defaults by TP (run 79): TP8 256-row items without the read-ahead, TP16 256-row items reading ahead; the class
+    # defaults are TP8's
+    assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=False)
+    assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=256, stages=2, prefetch_ids=True)
+    assert mw.MoEDownWideKey(km.shapes_for_tp(8)) == mw.MoEDownWideKey(km.shapes_for_tp(8), **mw.down_defaults(km.shapes_for_tp(8)))
     s16 = km.shapes_for_tp(16)
-    assert expert_kernel_keys(s16, 64, variant="wdownr256-wdownpf", pdl=False)[1] in mw.DOWN_WIDE.aot_keys("sm_90a")
+    for v in mw.AOT_WIDE_VARIANTS_TP16:  # built at TP16 on its default, and named back the same
+        up16, down16, name16 = expert_kernel_keys(s16, 64, variant=v, pdl=False)
+        assert name16 == f"wide@{v}" and down16 in mw.DOWN_WIDE.aot_keys("sm_90a"), (v, name16)
     assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):
@@ -2157,13 +2172,14 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf0", "wdownpf0",
+@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf", "wdownpf",
                                      "wzpar", "wdownsh16"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
     """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
-    128-row items ('wdownr128', with and without the next item's ids read ahead) and its token ids and weights read at
-    each item's start ('wdownpf0') give the reference too."""
+    128-row items ('wdownr128', with and without the next item's ids read ahead), the next item's token ids and weights
+    read ahead ('wdownpf'), moe_up's z staged with its loads in flight ('wzpar') and moe_down's 16-token shared items
+    ('wdownsh16') give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")
@@ -2187,8 +2203,9 @@ def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
     assert b.variant.endswith("wide@wzpar"), b.variant
     a(), b()
     torch.cuda.synchronize()
-    n = int(a.ids.numel())  # (expert, token) pairs of the step
-    assert torch.isfinite(a.a[:n]).all() and torch.equal(a.a[:n], b.a[:n])
+    ka, ra = _a_by_pair(a)
+    kb, rb = _a_by_pair(b)
+    assert torch.equal(ka, kb) and torch.isfinite(ra).all() and torch.equal(ra, rb)
     assert torch.equal(a.a_sh, b.a_sh)
 
 
@@ -2217,6 +2234,21 @@ def test_wide_expert_kernels_match_the_reference_tp16(tokens):
     from kimi_decode.moe_bench import moe_input
     r = _check(_weights(16), moe_input(tokens, D, seed=320 + tokens, device="cuda"))
     assert r["all_written"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wdownpf0", "wdownsh16", "wdownsh16-wdownpf0"])
+@pytest.mark.parametrize("tokens", [17, 64, 512])
+def test_wide_options_match_the_reference_tp16(variant, tokens):
+    """At TP16 (its default: 256-row moe_down items reading ahead) the options built there give the reference too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=380 + tokens, device="cuda")
+    w16 = _weights(16)
+    assert FusedMoE(w16, x, variant=variant).variant.endswith(f"wide@{variant}")
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w16, x)
+    assert r["all_written"] and r["check_ok"], (variant, r)
 
 
 @pytest.mark.gpu

@@ -19,11 +19,11 @@ the ring, also sums the warps' K parts and applies SiTU (double-buffered, on nam
 go on to the next item. Each CTA also does its share of the shared experts' SiTU and of zeroing the latent partial
 and Σ r² (as the direct moe_up).
 
-moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2 at TP8, one chunk): the chunk's a rows (contiguous
+moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2, one chunk): the chunk's a rows (contiguous
 in `a`, which is grouped by expert) come into the same slot as the item's codes and scales by one more bulk copy,
 and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 16 row groups of 16
-rows, one warp each with all of K (at TP8 since run 78, `down_defaults`; `wdownr128` and TP16: 128 rows, 8 row groups
-× 2 halves of K that meet in shared memory, as in run 77). Each (row, token) sum
+rows, one warp each with all of K (at TP8 since run 78, at TP16 since run 79, `down_defaults`; `wdownr128`: 128 rows,
+8 row groups × 2 halves of K that meet in shared memory, as in run 77). Each (row, token) sum
 times the routing weight goes into the rank's fp32 latent partial by red.add (no per-CTA row-block sum, so only
 the routing tables grow with the tokens); at the CTA's last item of a row block it fences and adds its item count
 to the row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
@@ -52,11 +52,12 @@ RBW = 128  # latent rows per moe_down expert item ('wdownr128'): 8 row groups of
 WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
 DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item (256, the default: 16 row groups, one warp each, all of K)
 DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the default's two slots hold 64 KB each)
-# moe_down's defaults by TP: 256-row items with the next item's ids read ahead where a GPU checked and timed them (TP8,
-# run 78); TP16 keeps run 77's kernel (128 rows, no read-ahead) until a GPU run checks the other there (its key is
-# built: 'wdownr256-wdownpf')
-DOWN_DEFAULTS_BY_TP = {8: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=True),
-                       16: dict(rows=128, stages=DOWN_STAGES[128], prefetch_ids=False)}
+# moe_down's defaults by TP, each the kernel a GPU checked and timed there: TP8 256-row items without the read-ahead
+# (run 79 on an H100: 549.0 µs at batch 64 against 565.6 with it), TP16 256-row items with the read-ahead (run 79:
+# 436.2 µs at batch 64 against 474.8 for run 77's 128-row kernel); TP16 without the read-ahead is built
+# (AOT_WIDE_VARIANTS_TP16) for the run that checks it there
+DOWN_DEFAULTS_BY_TP = {8: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=False),
+                       16: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=True)}
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
@@ -83,16 +84,17 @@ class MoEDownWideKey:
     # an expert's tokens per item ('wdownc16'): 8 (one mma column tile) or 16 (two tiles from one decode of the item's
     # codes: an expert with 9-16 tokens reads its rows once instead of twice)
     chunk: int = CHUNK
-    # latent rows per expert item: 256 (TP8's default since 2026-12-07, run 78), each 16 rows by one warp with all of K,
+    # latent rows per expert item: 256 (the default since runs 78-79), each 16 rows by one warp with all of K,
     # which adds its sums into the latent partial itself (no meeting, no barrier of the compute warps in an expert
     # item), in 2 ring slots; or 128 ('wdownr128', 3 slots, the kernel of run 77), each 16 rows taken by two warps
     # that split K and meet in shared memory
     rows: int = 256
-    # a lane's token ids and routing weights for the CTA's next expert item read during this one (ids before the mma,
-    # weights after it), meant to take the two dependent L2 reads off the item's path; False ('wdownpf0'): read at the
-    # item's start. Run 78 (H100, batch 64): 128-row items 281 µs with it against 243 without; the 256-row default
-    # was timed with it (208 µs), not yet without. The executor's defaults by TP: `down_defaults`
-    prefetch_ids: bool = True
+    # True ('wdownpf'): a lane's token ids and routing weights for the CTA's next expert item read during this one
+    # (ids before the mma, weights after it), meant to take the two dependent L2 reads off the item's path; False
+    # ('wdownpf0'): read at the item's start. It costs on an H100: run 78, 128-row items 281 µs at batch 64 with it
+    # against 243 without; run 79, 256-row items, the step 565.6 µs with it against 549.0 (17 tokens 300.9 against
+    # 293.1). The executor's defaults by TP: `down_defaults`
+    prefetch_ids: bool = False
     # tokens per shared item ('wdownsh16': 16, two mma column tiles): the shared down rows (24.6 KB an item at TP8) are
     # read once per 16 tokens instead of once per 8 (at batch 64: 1792 shared items instead of 3584)
     shared_tokens: int = SH_TOKENS
@@ -924,23 +926,24 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-# run 77's default (wdownr128-wdownpf0) and the options measured against the current one; the 4-slot moe_down forms
-# (wst4, wdownst4) fit 128-row items only (run 77: no faster)
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf0", "wdownr128-wdownpf0", "wdownr128", "wzpar", "wdownsh16",
+# run 77's default (wdownr128), run 78's (wdownpf) and the options measured against the current one; the 4-slot
+# moe_down forms (wst4, wdownst4) fit 128-row items only (run 77: no faster)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf", "wdownr128", "wdownr128-wdownpf", "wzpar", "wdownsh16",
                      "wdownsh16-wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
+# at TP16, on its default (256-row items reading ahead): without the read-ahead, the 16-token shared items, both
+AOT_WIDE_VARIANTS_TP16 = ("wdownpf0", "wdownsh16", "wdownsh16-wdownpf0")
 
 
 def _aot_keys(make):
     def keys(arch: str):
         dflt = down_defaults if make is MoEDownWideKey else (lambda shape: {})
         out = [make(shapes_for_tp(tp), pdl=p, arch=arch, **dflt(shapes_for_tp(tp))) for tp in (8, 16) for p in (False, True)]
-        if make is MoEDownWideKey:  # TP8's default at TP16 too ('wdownr256-wdownpf'), for the GPU run that checks it
-            out.append(make(shapes_for_tp(16), pdl=False, arch=arch, **DOWN_DEFAULTS_BY_TP[8]))
-        for v in AOT_WIDE_VARIANTS:
-            kw = parse_wide_options(v)[0 if make is MoEUpWideKey else 1]
-            key = make(shapes_for_tp(8), pdl=False, arch=arch, **{**dflt(shapes_for_tp(8)), **kw})
-            if key not in out:
-                out.append(key)
+        for tp, variants in ((8, AOT_WIDE_VARIANTS), (16, AOT_WIDE_VARIANTS_TP16)):
+            for v in variants:
+                kw = parse_wide_options(v)[0 if make is MoEUpWideKey else 1]
+                key = make(shapes_for_tp(tp), pdl=False, arch=arch, **{**dflt(shapes_for_tp(tp)), **kw})
+                if key not in out:
+                    out.append(key)
         return out
     return keys
 
