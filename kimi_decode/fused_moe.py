@@ -118,9 +118,9 @@ def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str |
             if pipe_v:
                 name = f"pipe@{kp.pipe_variant_name(up_key, down_key)}"
     elif experts == "pipe":  # above PIPE_MAX_M: rings whose items take up to 8 of an expert's tokens at a time
-        from .kernels.moe_wide import MoEDownWideKey, MoEUpWideKey, down_defaults, wide_variant_name
+        from .kernels.moe_wide import MoEDownWideKey, MoEUpWideKey, wide_variant_name
         up_key = MoEUpWideKey(shape, pdl=pdl, arch=arch, **wup_kw)
-        down_key = MoEDownWideKey(shape, pdl=pdl, arch=arch, **{**down_defaults(shape), **wdown_kw})
+        down_key = MoEDownWideKey(shape, pdl=pdl, arch=arch, **wdown_kw)
         cap, name = km.MAX_M, wide_variant_name(up_key, down_key)
     check_flag_handshake(up_key, down_key)
     if tokens > cap:

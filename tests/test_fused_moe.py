@@ -194,6 +194,11 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     torch.testing.assert_close(c.wts, b.wts, rtol=1e-5, atol=0)
 
 
+def mw_tp16_variants():
+    from kimi_decode.kernels import moe_wide as mw
+    return list(mw.AOT_WIDE_VARIANTS_TP16)
+
+
 def _a_by_pair(ex):
     """(keys, rows) of a step's moe_up output `a`, sorted by (expert, token): the routing fills each expert's token list
     by shared-memory atomics, so the order of an expert's tokens in `a` can differ from one step to the next."""
@@ -2053,9 +2058,9 @@ def test_wide_expert_kernels_are_chosen_above_eight_tokens_and_built_ahead_of_ti
                 if m <= kp.PIPE_MAX_M:
                     assert isinstance(down, kp.MoEDownPipeKey) and isinstance(up, kp.MoEUpPipeKey), m
                 else:
-                    assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl),
-                                                mw.MoEDownWideKey(s, pdl=pdl, **mw.down_defaults(s)), "wide")
-                    assert down.rows == 256 and down.prefetch_ids == (tp == 16)  # each the kernel a GPU checked there
+                    assert (up, down, name) == (mw.MoEUpWideKey(s, pdl=pdl), mw.MoEDownWideKey(s, pdl=pdl), "wide")
+                    # the kernel run 80 checked and timed at both TPs
+                    assert (down.rows, down.stages, down.prefetch_ids, down.shared_tokens) == (256, 2, False, 16)
                     assert up in built and down in built, (tp, m, pdl)
                     assert mw.down_wide_smem_bytes(down) <= kp.SMEM_BUDGET
                     assert mw.up_wide_smem_bytes(up) <= kp.SMEM_BUDGET
@@ -2099,22 +2104,21 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wdownc16") == ({}, dict(chunk=16), None)
     assert mw.parse_wide_options("wdownr256") == ({}, dict(rows=256, stages=2), None)
     assert mw.parse_wide_options("wdownr128") == ({}, dict(rows=128, stages=3), None)
-    assert mw.parse_wide_options("wdownr128-wdownst4") == ({}, dict(rows=128, stages=4), None)
+    assert mw.parse_wide_options("wdownr128-wdownst4-wdownsh8") == ({}, dict(rows=128, stages=4, shared_tokens=8), None)
+    with pytest.raises(ValueError, match="shared memory"):  # 16-token shared items need more of a slot
+        mw.parse_wide_options("wdownr128-wdownst4")
     assert (mw.MoEDownWideKey.rows, mw.MoEDownWideKey.stages) == (256, 2)
     assert mw.parse_wide_options("wdownpf-wdownpf0") == ({}, dict(prefetch_ids=False), None)
     assert mw.parse_wide_options("wzpar") == (dict(z_parallel=True), {}, None)
     assert mw.parse_wide_options("wzpar-wzpar0-pf1") == (dict(z_parallel=False), {}, "pf1")
     assert mw.MoEUpWideKey.z_parallel is False  # the row-by-row staging stays the default until a GPU times 'wzpar'
-    assert mw.parse_wide_options("wdownsh16") == ({}, dict(shared_tokens=16), None)
+    assert mw.parse_wide_options("wdownsh8") == ({}, dict(shared_tokens=8), None)
+    assert mw.parse_wide_options("wdownsh8-wdownsh16") == ({}, dict(shared_tokens=16), None)
+    assert mw.MoEDownWideKey.shared_tokens == 16
     with pytest.raises(ValueError, match="tokens per shared item"):
         mw.check_key(mw.MoEDownWideKey(km.shapes_for_tp(8), shared_tokens=32))
-    # the defaults by TP (run 79): TP8 256-row items without the read-ahead, TP16 256-row items reading ahead; the class
-    # defaults are TP8's
-    assert mw.down_defaults(km.shapes_for_tp(8)) == dict(rows=256, stages=2, prefetch_ids=False)
-    assert mw.down_defaults(km.shapes_for_tp(16)) == dict(rows=256, stages=2, prefetch_ids=True)
-    assert mw.MoEDownWideKey(km.shapes_for_tp(8)) == mw.MoEDownWideKey(km.shapes_for_tp(8), **mw.down_defaults(km.shapes_for_tp(8)))
     s16 = km.shapes_for_tp(16)
-    for v in mw.AOT_WIDE_VARIANTS_TP16:  # built at TP16 on its default, and named back the same
+    for v in mw.AOT_WIDE_VARIANTS_TP16:  # built at TP16, and named back the same
         up16, down16, name16 = expert_kernel_keys(s16, 64, variant=v, pdl=False)
         assert name16 == f"wide@{v}" and down16 in mw.DOWN_WIDE.aot_keys("sm_90a"), (v, name16)
     assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
@@ -2172,14 +2176,14 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128", "wdownr128-wdownpf", "wdownpf",
-                                     "wzpar", "wdownsh16"])
+@pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128-wdownsh8", "wdownsh8-wdownpf", "wdownpf",
+                                     "wzpar", "wdownsh8"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
     """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
-    128-row items ('wdownr128', with and without the next item's ids read ahead), the next item's token ids and weights
-    read ahead ('wdownpf'), moe_up's z staged with its loads in flight ('wzpar') and moe_down's 16-token shared items
-    ('wdownsh16') give the reference too."""
+    128-row items with 8-token shared items ('wdownr128-wdownsh8', run 77's kernel), the next item's token ids and
+    weights read ahead ('wdownpf', with 8-token shared items run 78's kernel), moe_up's z staged with its loads in
+    flight ('wzpar') and moe_down's 8-token shared items ('wdownsh8', run 80's default) give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")
@@ -2212,13 +2216,13 @@ def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [9, 17, 64, 100, 512])
 def test_wide_shared_items_of_16_tokens_give_the_same_shared_partial(w8, tokens):
-    """moe_down (wide) with 16 tokens per shared item ('wdownsh16': one A fragment against two token tiles) writes the
-    rank's shared partial bit for bit as the 8-token items do (each token's sum runs over the same warps in the same
-    K order), at token counts that leave a short last tile (9, 17, 100) and at 512."""
+    """moe_down (wide) with 16 tokens per shared item (the default since run 81: one A fragment against two token
+    tiles) writes the rank's shared partial bit for bit as the 8-token items ('wdownsh8') do (each token's sum runs
+    over the same warps in the same K order), at token counts that leave a short last tile (9, 17, 100) and at 512."""
     from kimi_decode.moe_bench import moe_input
     x = moe_input(tokens, D, seed=370 + tokens, device="cuda")
-    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wdownsh16")
-    assert b.variant.endswith("wide@wdownsh16"), b.variant
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wdownsh8")
+    assert b.variant.endswith("wide@wdownsh8") and a.variant.endswith("wide"), (a.variant, b.variant)
     for ex in (a, b):  # poisoned: every element must be written
         ex.sh[0].fill_(float("nan"))
     a(), b()
@@ -2237,10 +2241,11 @@ def test_wide_expert_kernels_match_the_reference_tp16(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wdownpf0", "wdownsh16", "wdownsh16-wdownpf0"])
+@pytest.mark.parametrize("variant", mw_tp16_variants())
 @pytest.mark.parametrize("tokens", [17, 64, 512])
 def test_wide_options_match_the_reference_tp16(variant, tokens):
-    """At TP16 (its default: 256-row moe_down items reading ahead) the options built there give the reference too."""
+    """At TP16 the options built there (run 80's default, 8-token shared items with the read-ahead) give the reference
+    too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kimi_decode.moe_bench import check_moe, moe_input

@@ -22,20 +22,21 @@ and Σ r² (as the direct moe_up).
 moe_down (`MoEDownWideKey`): an expert item is (256 latent rows of W2, one chunk): the chunk's a rows (contiguous
 in `a`, which is grouped by expert) come into the same slot as the item's codes and scales by one more bulk copy,
 and are permuted into the mma's B order in registers. Items are ordered (row block, chunk); 16 row groups of 16
-rows, one warp each with all of K (at TP8 since run 78, at TP16 since run 79, `down_defaults`; `wdownr128`: 128 rows,
+rows, one warp each with all of K (at TP8 since run 78, at TP16 since run 79; `wdownr128`: 128 rows,
 8 row groups × 2 halves of K that meet in shared memory, as in run 77). Each (row, token) sum
 times the routing weight goes into the rank's fp32 latent partial by red.add (no per-CTA row-block sum, so only
 the routing tables grow with the tokens); at the CTA's last item of a row block it fences and adds its item count
 to the row block's counter, and the CTA that completes it does the one-shot all-reduce read (own partial + the
 peers'), stores r ⊙ w_norm and adds Σ r² per token, as moe_pipe's moe_down. A shared item is 16 rows of the shared
-experts' down projection (bf16) against up to 8 tokens' a_shared, both in the slot, K split over the 16 warps;
+experts' down projection (bf16) against up to 16 tokens' a_shared (two mma column tiles from one A fragment; 8
+with 'wdownsh8'), both in the slot, K split over the 16 warps;
 shared items come after a CTA's expert items. `decoupled`: the compute warps hand each slot back on a named
 barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf0, wzpar,
-wdownsh16.
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf, wzpar,
+wdownsh8.
 """
 
 from dataclasses import dataclass
@@ -46,26 +47,16 @@ from .moe_pipe import H200_SMS, PIPE_MAX_M, SB, SMEM_BUDGET, down_pipe_args, rin
 
 WIDE_MIN_TOKENS = PIPE_MAX_M + 1  # the step sizes these kernels are for (they are correct from one token)
 CHUNK = 8  # an expert's tokens per item: the mma's n (moe_down: `chunk`, 8 or 16 as two column tiles)
-SH_TOKENS = 8  # tokens per moe_down shared item
+SH_TOKENS = 16  # tokens per moe_down shared item by default (two mma column tiles; 'wdownsh8': one, before run 81)
+SHARED_TOKENS = (8, 16)  # the shared items' token counts moe_down is built for
 SH_ROWS = 16  # shared-down rows per shared item: one mma row tile
 RBW = 128  # latent rows per moe_down expert item ('wdownr128'): 8 row groups of 16, two warps each splitting K
 WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
 DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item (256, the default: 16 row groups, one warp each, all of K)
 DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the default's two slots hold 64 KB each)
-# moe_down's defaults by TP, each the kernel a GPU checked and timed there: TP8 256-row items without the read-ahead
-# (run 79 on an H100: 549.0 µs at batch 64 against 565.6 with it), TP16 256-row items with the read-ahead (run 79:
-# 436.2 µs at batch 64 against 474.8 for run 77's 128-row kernel); TP16 without the read-ahead is built
-# (AOT_WIDE_VARIANTS_TP16) for the run that checks it there
-DOWN_DEFAULTS_BY_TP = {8: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=False),
-                       16: dict(rows=256, stages=DOWN_STAGES[256], prefetch_ids=True)}
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
-
-
-def down_defaults(shape: MoEShape) -> dict:
-    """The MoEDownWideKey fields a step takes by default at this shape's TP (rows per item, ring depth, read-ahead)."""
-    return dict(DOWN_DEFAULTS_BY_TP.get(shape.tp, DOWN_DEFAULTS_BY_TP[16]))
 
 
 @dataclass(frozen=True)
@@ -93,10 +84,12 @@ class MoEDownWideKey:
     # (ids before the mma, weights after it), meant to take the two dependent L2 reads off the item's path; False
     # ('wdownpf0'): read at the item's start. It costs on an H100: run 78, 128-row items 281 µs at batch 64 with it
     # against 243 without; run 79, 256-row items, the step 565.6 µs with it against 549.0 (17 tokens 300.9 against
-    # 293.1). The executor's defaults by TP: `down_defaults`
+    # 293.1); run 80 at TP16: 429.0 µs without it against 435.9
     prefetch_ids: bool = False
-    # tokens per shared item ('wdownsh16': 16, two mma column tiles): the shared down rows (24.6 KB an item at TP8) are
-    # read once per 16 tokens instead of once per 8 (at batch 64: 1792 shared items instead of 3584)
+    # tokens per shared item: 16 (the default since run 81: two mma column tiles against one A fragment, the shared
+    # down rows, 24.6 KB an item at TP8, read once per 16 tokens: 1792 shared items at batch 64 instead of 3584) or 8
+    # ('wdownsh8', one tile). Run 80 (H100): batch 64 535.8 µs against 547.1, 512 tokens 2150 against 2243, TP16 at
+    # batch 64 418.0 against 429.0; 17 tokens within the spread
     shared_tokens: int = SH_TOKENS
     arch: str = "sm_90a"
 
@@ -193,8 +186,8 @@ def check_key(key: MoEDownWideKey) -> None:
         raise ValueError(f"moe_down (wide) rows per item must be one of {DOWN_ROWS}, got {key.rows}")
     if key.chunk not in (CHUNK, 2 * CHUNK):
         raise ValueError(f"moe_down (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
-    if key.shared_tokens not in (SH_TOKENS, 2 * SH_TOKENS):
-        raise ValueError(f"moe_down (wide) takes {SH_TOKENS} or {2 * SH_TOKENS} tokens per shared item, got "
+    if key.shared_tokens not in SHARED_TOKENS:
+        raise ValueError(f"moe_down (wide) takes {' or '.join(map(str, SHARED_TOKENS))} tokens per shared item, got "
                          f"{key.shared_tokens}")
     check_ring("moe_down", key.stages, down_wide_smem_bytes(key))
 
@@ -866,9 +859,10 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
     kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
     item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
-    wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start / during the item before; the
-    defaults by TP are `down_defaults`'), wzpar / wzpar0 (moe_up stages a chunk's z with all its loads in flight / row
-    by row, the default), wdownsh16 (moe_down's shared items take 16 tokens). They apply above `moe_pipe.PIPE_MAX_M` tokens."""
+    wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start, the default / during the item
+    before), wzpar / wzpar0 (moe_up stages a chunk's z with all its loads in flight / row by row, the default),
+    wdownsh8 / wdownsh16 (moe_down's shared items take 8 tokens / 16, the default). They apply above
+    `moe_pipe.PIPE_MAX_M` tokens."""
     import re
 
     up, down, rest = {}, {}, []
@@ -878,8 +872,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
-        elif part == "wdownsh16":
-            down["shared_tokens"] = 2 * SH_TOKENS
+        elif m_sh := re.fullmatch(r"wdownsh(8|16)", part):
+            down["shared_tokens"] = int(m_sh.group(1))
         elif m_z := re.fullmatch(r"wzpar([01]?)", part):
             up["z_parallel"] = m_z.group(1) != "0"
         elif m_pf := re.fullmatch(r"wdownpf([01]?)", part):
@@ -904,8 +898,7 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     if not up.decoupled and not down.decoupled:
         parts.append("wsync")
     down_default = DOWN_STAGES[down.rows]  # (each row count brings its ring depth)
-    dflt = down_defaults(down.shape)
-    default_rows = dflt["rows"]
+    default_rows = MoEDownWideKey.rows
     if up.stages == down.stages != MoEUpWideKey.stages and down_default == DOWN_STAGES[default_rows]:
         parts.append(f"wst{up.stages}")
     else:
@@ -921,27 +914,26 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
         parts.append("wzpar" if up.z_parallel else "wzpar0")
     if down.rows != default_rows:
         parts.insert(0, f"wdownr{down.rows}")
-    if down.prefetch_ids != dflt["prefetch_ids"]:
+    if down.prefetch_ids != MoEDownWideKey.prefetch_ids:
         parts.append("wdownpf" if down.prefetch_ids else "wdownpf0")
     return "wide" + ("@" + "-".join(parts) if parts else "")
 
 
-# run 77's default (wdownr128), run 78's (wdownpf) and the options measured against the current one; the 4-slot
-# moe_down forms (wst4, wdownst4) fit 128-row items only (run 77: no faster)
-AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownpf", "wdownr128", "wdownr128-wdownpf", "wzpar", "wdownsh16",
-                     "wdownsh16-wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
-# at TP16, on its default (256-row items reading ahead): without the read-ahead, the 16-token shared items, both
-AOT_WIDE_VARIANTS_TP16 = ("wdownpf0", "wdownsh16", "wdownsh16-wdownpf0")
+# run 77's default (wdownr128-wdownsh8), run 78's (wdownsh8-wdownpf), run 80's (wdownsh8) and the options measured
+# against the current one; the 4-slot moe_down forms (wst4, wdownst4) fit 128-row items with 8-token shared items
+# only (run 77: no faster)
+AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownsh8", "wdownsh8-wdownpf", "wdownr128-wdownsh8", "wdownpf",
+                     "wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
+AOT_WIDE_VARIANTS_TP16 = ("wdownsh8-wdownpf",)  # TP16's default before run 81 (run 80 timed both there)
 
 
 def _aot_keys(make):
     def keys(arch: str):
-        dflt = down_defaults if make is MoEDownWideKey else (lambda shape: {})
-        out = [make(shapes_for_tp(tp), pdl=p, arch=arch, **dflt(shapes_for_tp(tp))) for tp in (8, 16) for p in (False, True)]
+        out = [make(shapes_for_tp(tp), pdl=p, arch=arch) for tp in (8, 16) for p in (False, True)]
         for tp, variants in ((8, AOT_WIDE_VARIANTS), (16, AOT_WIDE_VARIANTS_TP16)):
             for v in variants:
                 kw = parse_wide_options(v)[0 if make is MoEUpWideKey else 1]
-                key = make(shapes_for_tp(tp), pdl=False, arch=arch, **{**dflt(shapes_for_tp(tp)), **kw})
+                key = make(shapes_for_tp(tp), pdl=False, arch=arch, **kw)
                 if key not in out:
                     out.append(key)
         return out
@@ -956,4 +948,4 @@ UP_WIDE = kc.register(kc.KernelSpec(name="moe_up_wide", module=__name__, key_typ
                                     aot_keys=_aot_keys(MoEUpWideKey),
                                     ptx_checks=("cp.async.bulk", "mma.sync", "mul.rn.bf16x2", "shfl.sync.up")))
 
-__all__ = ["MoEDownWideKey", "MoEUpWideKey", "down_defaults", "up_wide_smem_bytes", "parse_wide_options", "wide_variant_name", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
+__all__ = ["MoEDownWideKey", "MoEUpWideKey", "up_wide_smem_bytes", "parse_wide_options", "wide_variant_name", "WIDE_MIN_TOKENS", "down_wide_smem_bytes", "slot_bytes"]
