@@ -194,7 +194,7 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     torch.testing.assert_close(c.wts, b.wts, rtol=1e-5, atol=0)
 
 
-def mw_tp16_variants():
+def _tp16_variants():
     from kimi_decode.kernels import moe_wide as mw
     return list(mw.AOT_WIDE_VARIANTS_TP16)
 
@@ -2111,7 +2111,7 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     assert mw.parse_wide_options("wdownpf-wdownpf0") == ({}, dict(prefetch_ids=False), None)
     assert mw.parse_wide_options("wzpar") == (dict(z_parallel=True), {}, None)
     assert mw.parse_wide_options("wzpar-wzpar0-pf1") == (dict(z_parallel=False), {}, "pf1")
-    assert mw.MoEUpWideKey.z_parallel is False  # the row-by-row staging stays the default until a GPU times 'wzpar'
+    assert mw.MoEUpWideKey.z_parallel is False  # the row-by-row staging stays the default (run 79: 'wzpar' slower)
     assert mw.parse_wide_options("wdownsh8") == ({}, dict(shared_tokens=8), None)
     assert mw.parse_wide_options("wdownsh8-wdownsh16") == ({}, dict(shared_tokens=16), None)
     assert mw.MoEDownWideKey.shared_tokens == 16
@@ -2241,7 +2241,7 @@ def test_wide_expert_kernels_match_the_reference_tp16(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", mw_tp16_variants())
+@pytest.mark.parametrize("variant", _tp16_variants())
 @pytest.mark.parametrize("tokens", [17, 64, 512])
 def test_wide_options_match_the_reference_tp16(variant, tokens):
     """At TP16 the options built there (run 80's default, 8-token shared items with the read-ahead) give the reference

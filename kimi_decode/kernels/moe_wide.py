@@ -625,9 +625,10 @@ class MoEUpWideKey:
     # epilogue and a CTA barrier. False ('wsync'): as moe_down's decoupled=False
     decoupled: bool = True
     # how a CTA stages a new chunk's z: True ('wzpar') every thread loads the chunk's 8 token ids at once, then all of
-    # its z words (8 rows × 8 fp32 a thread at TP8) before any store: two dependent L2 round trips a chunk. False: a
-    # runtime loop over the chunk's rows, each waiting for its token id and then its z words (two round trips a row,
-    # up to 16 a chunk; a CTA stages about 5 chunks at batch 64)
+    # its z words (8 rows × 8 fp32 a thread at TP8; ptxas sends them in about four groups) before the stores. False
+    # (the default): a runtime loop over the chunk's tokens, each waiting for its token id and then its z words (two
+    # round trips a token; at batch 64 a chunk holds about 2.5 tokens). Run 79 (H100): 'wzpar' slower by about
+    # 0.33-0.37 µs an item at 17, 64 and 512 tokens (moe_up 320.8 against 265.5 µs at batch 64), not explained
     z_parallel: bool = False
     arch: str = "sm_90a"
 
