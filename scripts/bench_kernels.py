@@ -7,6 +7,8 @@ weights rotated across enough copies that the working set exceeds the 60 MB
 L2 many times. Each graph holds one launch per copy; a replay is timed with
 CUDA events; the figure is the median per launch over many replays.
 AttnRes: batch 1/8/64 over rotated (p, δ, B) copies; bytes = reads + writes.
+GEMM (`--only gemm`, M above 64): the shared-memory GEMM at the MoE front and tail shapes against torch.mm and,
+where built, the tensor-core GEMV, each checked against the fp32 reference first; TFLOP/s beside GB/s.
 """
 
 import argparse
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kimi_decode import compile as kc  # noqa: E402
 from kimi_decode.bench import driver_version, git_commit  # noqa: E402
 from kimi_decode.kernels import attn_res as A  # noqa: E402
+from kimi_decode.kernels import gemm as GM  # noqa: E402
 from kimi_decode.kernels import gemv as G  # noqa: E402
 
 PEAK_GBS = 4270.0  # measured device-to-device copy on the H200 (gpu_facts.md)
@@ -134,6 +137,40 @@ def bench_gemv(rows, m_list, replays):
         torch.cuda.empty_cache()
 
 
+def bench_gemm(rows, m_list, replays):
+    for k, n in GM.MOE_SHAPES:
+        wbytes = n * k * 2
+        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
+        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        for m in m_list:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ ws[0].float().T
+            outs = {bm: torch.full((m, n), float("nan"), device="cuda") for bm in (64, 128)}
+            out_t = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            impls = {"torch.mm": [lambda w=w: torch.mm(x, w.T, out=out_t) for w in ws]}
+            diff = {}
+            for bm, o in outs.items():  # the fp32 check before any timing
+                GM.gemm(x, ws[0], out=o, bm=bm)
+                torch.cuda.synchronize()
+                if not torch.isfinite(o).all():
+                    raise SystemExit(f"gemm bm={bm} {m}x{k}x{n}: NaN left in the output")
+                diff[f"cute_gemm_bm{bm}"] = (o - ref).abs().max().item() / ref.abs().max().item()
+                impls[f"cute_gemm_bm{bm}"] = [lambda w=w, o=o, bm=bm: GM.gemm(x, w, out=o, bm=bm) for w in ws]
+            for impl, launches in impls.items():
+                med, p10, p90 = summarize(time_graph(launches, replays))
+                moved = wbytes + m * k * 2 + m * n * (2 if impl == "torch.mm" else 4)
+                rows.append(dict(kernel="gemm", impl=impl, M=m, K=k, N=n, params="", copies=copies,
+                                 us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
+                                 bytes=moved, gbs=round(moved / med / 1e3, 1),
+                                 frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3),
+                                 tflops=round(2 * m * n * k / med / 1e6, 1),
+                                 max_rel_err_vs_fp32=diff.get(impl, "")))
+                print(f"gemm {impl:16s} {m:3d}x{k}x{n}: {med:8.2f} us  {2 * m * n * k / med / 1e6:6.1f} TFLOP/s",
+                      flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
 def check_mma_gemv(x, w, out, loop: bool = False):
     """NaN-poison `out`, run the tensor-core GEMV once, and require every element written and within twice the
     error of a bf16 torch.mm against the fp32 reference (the rule of tests/test_kernels_gemv.py)."""
@@ -212,14 +249,16 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 64])
-    ap.add_argument("--only", nargs="*", default=["gemv", "attn_res"], help="gemv, attn_res, tuning")
+    ap.add_argument("--only", nargs="*", default=["gemv", "attn_res"], help="gemv, attn_res, tuning, gemm")
+    ap.add_argument("--gemm-m", type=int, nargs="*", default=[128, 256, 512], help="gemm: tokens (65..512)")
     ap.add_argument("--tune-k", type=int, nargs="*", default=[], help="tuning: only these K")
     args = ap.parse_args()
     prov = provenance()
     print(json.dumps(prov), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    benches = [("gemv", bench_gemv, args.m), ("attn_res", bench_attn_res, [1, 8, 64]), ("tuning", bench_tuning, args.tune_k)]
+    benches = [("gemv", bench_gemv, args.m), ("attn_res", bench_attn_res, [1, 8, 64]), ("tuning", bench_tuning, args.tune_k),
+               ("gemm", bench_gemm, args.gemm_m)]
     for name, fn, sizes in benches:
         if name not in args.only:
             continue
