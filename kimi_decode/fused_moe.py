@@ -85,6 +85,19 @@ def check_flag_handshake(up_key, down_key) -> None:
         raise ValueError("uflag and dflag use the same word of meta (kernels.moe.ROUTED_FLAG): choose one")
 
 
+FRONT_GEMM_MIN_TOKENS = 65  # 'fgemm': from here the front may run as the shared-memory GEMM (kernels/gemm.py)
+
+
+def split_front_gemm(variant: str | None) -> tuple[bool, str | None]:
+    """Take 'fgemm' out of a '-'-joined variant: (whether it was there, the rest or None). 'fgemm': from
+    FRONT_GEMM_MIN_TOKENS tokens the front runs as the shared-memory GEMM of `kernels/gemm.py` (its output is the
+    front's fp32 [tokens, E + L + 2S] as it is; the routing has its own launch there) instead of the tensor-core GEMV,
+    which reads its weights once per 64 tokens."""
+    parts = (variant or "").split("-")
+    rest = "-".join(p for p in parts if p and p != "fgemm")
+    return "fgemm" in parts, rest or None
+
+
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
                        arch: str = "sm_90a", trace: bool = False):
     """(moe_up key, moe_down key, variant name) of the fused MoE half for `tokens` tokens per step; refuses
@@ -143,6 +156,8 @@ class FusedMoE:
         GEMV last (4 warps); None chooses by the token count (a fifth launch above ROUTE_IN_FRONT_MAX tokens);
         'rspread0' makes that launch one CTA of 16 warps (before 2026-12-07).
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
+        ('fgemm', with any: from FRONT_GEMM_MIN_TOKENS tokens the front as the shared-memory GEMM of kernels/gemm.py,
+        `split_front_gemm`; not yet measured)
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
@@ -198,6 +213,8 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
+        front_gemm, variant = split_front_gemm(variant)
+        front_gemm = front_gemm and N >= FRONT_GEMM_MIN_TOKENS
         route_kw, variant = km.split_front_options(variant)
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
@@ -217,6 +234,13 @@ class FusedMoE:
                              f"TP{shape.tp}; K must be below {shape.shared}")
         front_key, tags = km.front_key_for(shape, N, separate_routing, route_kw, arch, route_flag=route_flag,
                                            shared_rows=not shup, shared_keep=keep)
+        if front_gemm:  # 'fgemm': the front's GEMV as the shared-memory GEMM (plain fp32 out: routing is its own launch)
+            from .kernels.gemm import GemmKey
+            if not separate_routing or shup:
+                raise ValueError("fgemm runs the front as a plain GEMM: it needs the routing in its own launch and the "
+                                 "shared rows in the front (not separate_routing=False or shup)")
+            front_key = GemmKey(n=shape.ncat, k=km.D, arch=arch)
+            tags.append("fgemm")
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
             raise ValueError("fpdl launches the front as a programmatic dependent: it cannot go with pdl=False")
@@ -354,8 +378,9 @@ class FusedMoE:
             Launch("moe.front", "router GEMM + grouped_topk + down_proj" + ("" if shup else " + shared gate_up") +
                    " (fused)", "CuTe DSL", front_w_bytes + _nbytes(x, self.bias), _nbytes(self.front, self.ids, self.wts),
                    2 * N * km.D * front_rows,
-                   run=lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
-                                    self.act, self.list, self.tok)),
+                   run=(lambda: f[0](self.w_front, x, self.front)) if front_gemm else
+                   (lambda: f[0](self.w_front, x, self.front, self.bias, self.meta, self.ids, self.wts, self.we,
+                                 self.act, self.list, self.tok))),
             *([Launch("moe.route", "grouped_topk + expert-major tables (fused)", "CuTe DSL",
                       N * km.E * 4 + km.E * 4, _nbytes(self.ids, self.wts) + N * km.TOPK * 4, 0,
                       run=lambda: self._route(self.front, self.bias, self.meta, self.ids, self.wts, self.we,

@@ -2355,3 +2355,37 @@ def test_mma_rows_tilings_match_the_reference(w8, variant, tokens):
     assert FusedMoE(w8, x, variant=variant).variant.startswith(variant + "+")
     r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
     assert r["all_written"] and r["check_ok"], (variant, r)
+
+
+def test_front_gemm_option_parses_and_its_kernels_are_built_ahead_of_time():
+    """'fgemm' (the front as the shared-memory GEMM of kernels/gemm.py from 65 tokens) comes out of a variant before
+    the other options; the benchmark accepts it; its GEMM is built at the front's TP8 and TP16 shapes."""
+    from kimi_decode import fused_moe as fm
+    from kimi_decode.kernels import gemm as GM
+    from kimi_decode.kernels import moe as km
+    from kimi_decode.moe_bench import make_moe_executor
+    assert fm.split_front_gemm("fgemm") == (True, None)
+    assert fm.split_front_gemm("wdownsh8-fgemm-rspread0") == (True, "wdownsh8-rspread0")
+    assert fm.split_front_gemm("wzpar") == (False, "wzpar")
+    assert fm.split_front_gemm(None) == (False, None)
+    make_moe_executor("fused@fgemm")
+    make_moe_executor("fused@fgemm-wdownsh8")
+    built = GM.aot_keys("sm_90a")
+    for tp in (8, 16):
+        s = km.shapes_for_tp(tp)
+        assert GM.GemmKey(n=s.ncat, k=km.D) in built, tp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [64, 65, 100, 256, 512])
+def test_front_gemm_option_matches_the_reference(w8, tokens):
+    """The MoE half with the front as the shared-memory GEMM ('fgemm', from 65 tokens) gives the reference; at 64
+    tokens the option does not apply (the tensor-core GEMV runs, no 'fgemm' in the name)."""
+    from kimi_decode.moe_bench import check_moe, moe_input
+    x = moe_input(tokens, D, seed=390 + tokens, device="cuda")
+    ex = FusedMoE(w8, x, variant="fgemm")
+    applies = tokens >= 65
+    assert ("fgemm" in ex.variant) == applies and ex.kernels_used.startswith("gemm+") == applies, \
+        (ex.variant, ex.kernels_used)
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="fgemm"), w8, x)
+    assert r["all_written"] and r["check_ok"], r
