@@ -156,10 +156,10 @@ class FusedMoE:
         GEMV last (4 warps); None chooses by the token count (a fifth launch above ROUTE_IN_FRONT_MAX tokens);
         'rspread0' makes that launch one CTA of 16 warps (before 2026-12-07).
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
-        ('fgemm', with any: from FRONT_GEMM_MIN_TOKENS tokens the front as the shared-memory GEMM of kernels/gemm.py,
-        `split_front_gemm`; not yet measured)
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
-        'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'foccN'
+        'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'fgemm' runs the
+        front from FRONT_GEMM_MIN_TOKENS tokens as the shared-memory GEMM of `kernels/gemm.py` (`split_front_gemm`;
+        not yet measured), and 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
         shows it only there; at one token the tail is a persistent GEMV streaming W_up through a bulk-copy ring
