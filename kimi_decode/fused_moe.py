@@ -86,6 +86,7 @@ def check_flag_handshake(up_key, down_key) -> None:
 
 
 FRONT_GEMM_MIN_TOKENS = 65  # 'fgemm': from here the front may run as the shared-memory GEMM (kernels/gemm.py)
+FRONT_GEMM_BM128_ABOVE = 256  # 'fgemm': 128 tokens a CTA above this many, 64 up to it
 
 
 def split_front_gemm(variant: str | None) -> tuple[bool, str | None]:
@@ -239,7 +240,8 @@ class FusedMoE:
             if not separate_routing or shup:
                 raise ValueError("fgemm runs the front as a plain GEMM: it needs the routing in its own launch and the "
                                  "shared rows in the front (not separate_routing=False or shup)")
-            front_key = GemmKey(n=shape.ncat, k=km.D, arch=arch)
+            # 128 tokens a CTA above 256 (47 row blocks × 3-4 M tiles at TP8), else 64 (94-188 CTAs for 132 SMs)
+            front_key = GemmKey(n=shape.ncat, k=km.D, bm=128 if N > FRONT_GEMM_BM128_ABOVE else 64, arch=arch)
             tags.append("fgemm")
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:

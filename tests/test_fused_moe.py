@@ -2373,7 +2373,8 @@ def test_front_gemm_option_parses_and_its_kernels_are_built_ahead_of_time():
     built = GM.aot_keys("sm_90a")
     for tp in (8, 16):
         s = km.shapes_for_tp(tp)
-        assert GM.GemmKey(n=s.ncat, k=km.D) in built, tp
+        for bm in (64, 128):  # (FusedMoE takes 64 tokens a CTA up to fm.FRONT_GEMM_BM128_ABOVE, 128 above)
+            assert GM.GemmKey(n=s.ncat, k=km.D, bm=bm) in built, (tp, bm)
 
 
 @pytest.mark.gpu
