@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from .config import ShardSpec
+from .kernels.gemm import MIN_M as FRONT_GEMM_MIN_TOKENS  # 'fgemm': from here the front may run as the GEMM
 from .stock.launch import Launch
 from .weights import LayerWeights
 
@@ -85,7 +86,6 @@ def check_flag_handshake(up_key, down_key) -> None:
         raise ValueError("uflag and dflag use the same word of meta (kernels.moe.ROUTED_FLAG): choose one")
 
 
-FRONT_GEMM_MIN_TOKENS = 65  # 'fgemm': from here the front may run as the shared-memory GEMM (kernels/gemm.py)
 FRONT_GEMM_BM128_ABOVE = 256  # 'fgemm': 128 tokens a CTA above this many, 64 up to it
 
 

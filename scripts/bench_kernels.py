@@ -93,11 +93,24 @@ def summarize(times):
     return statistics.median(s), s[len(s) // 10], s[(9 * len(s)) // 10]
 
 
+def rotated_weights(n: int, k: int) -> tuple[int, list[torch.Tensor]]:
+    """(copies, weights): enough copies of a random [n, k] bf16 weight that rotating through them keeps L2 cold."""
+    copies = max(3, math.ceil(ROTATE_BYTES / (n * k * 2)))
+    return copies, [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+
+
+def timed_row(launches, replays: int, moved: int, **fields) -> tuple[dict, float]:
+    """(CSV row, median µs): `fields` (kernel, impl, shape, ...) then the medians and p10/p90 of the graph of
+    `launches`, the bytes each launch must move and the GB/s that makes against the copy bandwidth."""
+    med, p10, p90 = summarize(time_graph(launches, replays))
+    return dict(**fields, us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3), bytes=moved,
+                gbs=round(moved / med / 1e3, 1), frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)), med
+
+
 def bench_gemv(rows, m_list, replays):
     for k, n in G.DECODE_SHAPES:
         wbytes = n * k * 2
-        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
-        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        copies, ws = rotated_weights(n, k)
         for m in m_list:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -114,12 +127,10 @@ def bench_gemv(rows, m_list, replays):
                     impls["cute_gemv_mma_loop" if loop else "cute_gemv_mma"] = [
                         lambda w=w, loop=loop: G.gemv(x, w, out=out_c, mma=True, mma_loop=loop) for w in ws]
             for impl, launches in impls.items():
-                med, p10, p90 = summarize(time_graph(launches, replays))
                 moved = wbytes + m * k * 2 + m * n * 2
-                rows.append(dict(kernel="gemv", impl=impl, M=m, K=k, N=n, params="", copies=copies,
-                                 us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
-                                 bytes=moved, gbs=round(moved / med / 1e3, 1),
-                                 frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+                row, med = timed_row(launches, replays, moved, kernel="gemv", impl=impl, M=m, K=k, N=n, params="",
+                                     copies=copies)
+                rows.append(row)
                 print(f"gemv {impl:9s} {m:2d}x{k}x{n}: {med:7.2f} us  {moved / med / 1e3:7.0f} GB/s", flush=True)
             # correctness spot check in the same run: each CuTe GEMV's output against torch.mm's
             G.gemv(x, ws[0], out=out)
@@ -140,8 +151,7 @@ def bench_gemv(rows, m_list, replays):
 def bench_gemm(rows, m_list, replays):
     for k, n in GM.MOE_SHAPES:
         wbytes = n * k * 2
-        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
-        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        copies, ws = rotated_weights(n, k)
         for m in m_list:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = x.float() @ ws[0].float().T
@@ -157,14 +167,11 @@ def bench_gemm(rows, m_list, replays):
                 diff[f"cute_gemm_bm{bm}"] = (o - ref).abs().max().item() / ref.abs().max().item()
                 impls[f"cute_gemm_bm{bm}"] = [lambda w=w, o=o, bm=bm: GM.gemm(x, w, out=o, bm=bm) for w in ws]
             for impl, launches in impls.items():
-                med, p10, p90 = summarize(time_graph(launches, replays))
                 moved = wbytes + m * k * 2 + m * n * (2 if impl == "torch.mm" else 4)
-                rows.append(dict(kernel="gemm", impl=impl, M=m, K=k, N=n, params="", copies=copies,
-                                 us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
-                                 bytes=moved, gbs=round(moved / med / 1e3, 1),
-                                 frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3),
-                                 tflops=round(2 * m * n * k / med / 1e6, 1),
-                                 max_rel_err_vs_fp32=diff.get(impl, "")))
+                row, med = timed_row(launches, replays, moved, kernel="gemm", impl=impl, M=m, K=k, N=n, params="",
+                                     copies=copies)
+                rows.append({**row, "tflops": round(2 * m * n * k / med / 1e6, 1),
+                             "max_rel_err_vs_fp32": diff.get(impl, "")})
                 print(f"gemm {impl:16s} {m:3d}x{k}x{n}: {med:8.2f} us  {2 * m * n * k / med / 1e6:6.1f} TFLOP/s",
                       flush=True)
         del ws

@@ -9,6 +9,7 @@ from kimi_decode.config import KimiK3Config, ShardSpec
 from kimi_decode.fused_moe import FusedMoE, check_moe_input
 from kimi_decode.support import UnsupportedConfiguration
 from kimi_decode.kernels.moe_pipe import AOT_VARIANTS
+from kimi_decode.kernels.moe_wide import AOT_WIDE_VARIANTS_TP16
 from kimi_decode.weights import make_layer_weights
 
 D = 7168
@@ -192,11 +193,6 @@ def test_routing_in_front_and_separate_launch_agree(w8, tokens):
     _same_up_to_summation_order(a.h, b.h)
     # the ring front sums its logits in another order: the same choice, weights within rounding
     torch.testing.assert_close(c.wts, b.wts, rtol=1e-5, atol=0)
-
-
-def _tp16_variants():
-    from kimi_decode.kernels import moe_wide as mw
-    return list(mw.AOT_WIDE_VARIANTS_TP16)
 
 
 def _a_by_pair(ex):
@@ -2241,7 +2237,7 @@ def test_wide_expert_kernels_match_the_reference_tp16(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", _tp16_variants())
+@pytest.mark.parametrize("variant", AOT_WIDE_VARIANTS_TP16)
 @pytest.mark.parametrize("tokens", [17, 64, 512])
 def test_wide_options_match_the_reference_tp16(variant, tokens):
     """At TP16 the options built there (run 80's default, 8-token shared items with the read-ahead) give the reference

@@ -117,7 +117,6 @@ def build(key: GemmKey):
 
     @cute.kernel
     def gemm_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor):
-        tid, _, _ = cute.arch.thread_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -211,21 +210,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
          arch: str | None = None) -> torch.Tensor:
     """out = x @ weight.T in fp32 for x [M, K] bf16 (M = 65..512), weight [N, K] bf16 (N a multiple of 128, K of 64),
     on one CUDA device. `out` ([M, N] fp32) may be given (NaN-poisoned in tests). bm: tokens per CTA (64 or 128)."""
-    from .gemv import _check
+    from .gemv import _check, check_operands
 
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("x and weight must be torch tensors")
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    M, K = x.shape
-    N = weight.shape[0]
-    if not MIN_M <= M <= MAX_M:
-        raise ValueError(f"gemm takes M={MIN_M}..{MAX_M} tokens, got {M} (fewer: the tensor-core GEMV, gemv.gemv)")
-    if x.device.type != "cuda":
-        raise ValueError(f"gemm runs on a CUDA device, got x on {x.device}")
-    dev = x.device
-    _check("weight", weight, (N, K), torch.bfloat16, dev)
-    _check("x", x, (M, K), torch.bfloat16, dev)
+    M, K, N, dev = check_operands("gemm", x, weight, MIN_M, MAX_M, " (fewer: the tensor-core GEMV, gemv.gemv)")
     if out is None:
         out = torch.empty((M, N), dtype=torch.float32, device=dev)
     else:

@@ -617,6 +617,27 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device:
         raise ValueError(f"{name} must be 16-byte aligned for 128-bit loads")
 
 
+def check_operands(kernel: str, x: torch.Tensor, weight: torch.Tensor, m_min: int, m_max: int,
+                   hint: str = "") -> tuple[int, int, int, torch.device]:
+    """(M, K, N, device) of x [M, K] and weight [N, K], both bf16, contiguous, 16-byte aligned and on one CUDA
+    device, with m_min <= M <= m_max; raises before any launch otherwise (`kernel` names the kernel in the message,
+    `hint` what to use outside its range). The GEMV's and the GEMM's entry points share it."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("x and weight must be torch tensors")
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if not m_min <= M <= m_max:
+        raise ValueError(f"{kernel} takes M={m_min}..{m_max} tokens: batch M={M} outside the supported "
+                         f"{m_min}..{m_max}{hint}")
+    if x.device.type != "cuda":
+        raise ValueError(f"{kernel} runs on a CUDA device, got x on {x.device}")
+    _check("weight", weight, (N, K), torch.bfloat16, x.device)
+    _check("x", x, (M, K), torch.bfloat16, x.device)
+    return M, K, N, x.device
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -638,19 +659,7 @@ def gemv(
     mma_loop: with mma, its K loop as a runtime loop over a ring of blocks in registers (`GemvKey.mma_loop`; K a
     multiple of 256 up to 8 tokens).
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("x and weight must be torch tensors")
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    M, K = x.shape
-    N = weight.shape[0]
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"batch M={M} outside the supported 1..{MAX_M}")
-    if x.device.type != "cuda":
-        raise ValueError(f"gemv runs on a CUDA device, got x on {x.device}")
-    dev = x.device
-    _check("weight", weight, (N, K), torch.bfloat16, dev)
-    _check("x", x, (M, K), torch.bfloat16, dev)
+    M, K, N, dev = check_operands("gemv", x, weight, 1, MAX_M)
     if gate is not None:
         _check("gate", gate, (M, N), torch.bfloat16, dev)
     if residual is not None:
