@@ -86,17 +86,24 @@ def check_flag_handshake(up_key, down_key) -> None:
         raise ValueError("uflag and dflag use the same word of meta (kernels.moe.ROUTED_FLAG): choose one")
 
 
-FRONT_GEMM_BM128_ABOVE = 256  # 'fgemm': 128 tokens a CTA above this many, 64 up to it
+GEMM_BM128_ABOVE = 256  # 'fgemm' / 'tgemm': 128 tokens a GEMM CTA above this many, 64 up to it
 
 
-def split_front_gemm(variant: str | None) -> tuple[bool, str | None]:
-    """Take 'fgemm' out of a '-'-joined variant: (whether it was there, the rest or None). 'fgemm': from
-    FRONT_GEMM_MIN_TOKENS tokens the front runs as the shared-memory GEMM of `kernels/gemm.py` (its output is the
-    front's fp32 [tokens, E + L + 2S] as it is; the routing has its own launch there) instead of the tensor-core GEMV,
-    which reads its weights once per 64 tokens."""
+def split_gemm_options(variant: str | None) -> tuple[bool, bool, str | None]:
+    """Take 'fgemm' and 'tgemm' out of a '-'-joined variant: (front, tail, the rest or None). From
+    FRONT_GEMM_MIN_TOKENS tokens, 'fgemm' runs the front as the shared-memory GEMM of `kernels/gemm.py` (its output is
+    the front's fp32 [tokens, E + L + 2S] as it is; the routing has its own launch there) and 'tgemm' the tail (the
+    same GEMM with the tail GEMV's epilogue: RMSNorm scale, shared all-reduce read, add, bf16), instead of the
+    tensor-core GEMV, which reads its weights once per 64 tokens."""
     parts = (variant or "").split("-")
-    rest = "-".join(p for p in parts if p and p != "fgemm")
-    return "fgemm" in parts, rest or None
+    rest = "-".join(p for p in parts if p and p not in ("fgemm", "tgemm"))
+    return "fgemm" in parts, "tgemm" in parts, rest or None
+
+
+def gemm_bm(tokens: int) -> int:
+    """Tokens a GEMM CTA takes ('fgemm', 'tgemm'): 64 up to GEMM_BM128_ABOVE tokens (94-188 CTAs for the front at
+    TP8 on 132 SMs), else 128."""
+    return 128 if tokens > GEMM_BM128_ABOVE else 64
 
 
 def expert_kernel_keys(shape, tokens: int, experts: str = "pipe", variant: str | None = None, pdl: bool = True,
@@ -159,8 +166,8 @@ class FusedMoE:
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'fgemm' runs the
-        front from FRONT_GEMM_MIN_TOKENS tokens as the shared-memory GEMM of `kernels/gemm.py` (`split_front_gemm`;
-        not yet measured), and 'foccN'
+        front from FRONT_GEMM_MIN_TOKENS tokens as the shared-memory GEMM of `kernels/gemm.py` and 'tgemm' the tail
+        (`split_gemm_options`; neither yet measured), and 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
         shows it only there; at one token the tail is a persistent GEMV streaming W_up through a bulk-copy ring
@@ -214,8 +221,9 @@ class FusedMoE:
         if separate_routing is None:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
-        front_gemm, variant = split_front_gemm(variant)
+        front_gemm, tail_gemm, variant = split_gemm_options(variant)
         front_gemm = front_gemm and N >= FRONT_GEMM_MIN_TOKENS
+        tail_gemm = tail_gemm and N >= FRONT_GEMM_MIN_TOKENS
         route_kw, variant = km.split_front_options(variant)
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)
@@ -240,8 +248,7 @@ class FusedMoE:
             if not separate_routing or shup:
                 raise ValueError("fgemm runs the front as a plain GEMM: it needs the routing in its own launch and the "
                                  "shared rows in the front (not separate_routing=False or shup)")
-            # 128 tokens a CTA above 256 (47 row blocks × 3-4 M tiles at TP8), else 64 (94-188 CTAs for 132 SMs)
-            front_key = GemmKey(n=shape.ncat, k=km.D, bm=128 if N > FRONT_GEMM_BM128_ABOVE else 64, arch=arch)
+            front_key = GemmKey(n=shape.ncat, k=km.D, bm=gemm_bm(N), arch=arch)
             tags.append("fgemm")
         front_pdl = getattr(front_key, "pdl", False)
         if front_pdl and not pdl:
@@ -276,6 +283,10 @@ class FusedMoE:
                     else km.tail_key_for(shape, N, pdl, route_kw, arch))
         if ring and geometry:
             tags.append("tring" + tail_key.geometry_tag)
+        if tail_gemm:  # 'tgemm': the tail as the shared-memory GEMM with the tail GEMV's epilogue (same arguments)
+            from .kernels.gemm import tail_key as gemm_tail_key
+            tail_key = gemm_tail_key(tp, gemm_bm(N), arch)
+            tags.append("tgemm")
         self.variant = "+".join([*tags, self.variant])
         self.pdl = pdl
         # 'merge': moe_up and moe_down as the two phases of one launch, met on a counter that needs every CTA resident

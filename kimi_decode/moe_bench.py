@@ -52,8 +52,8 @@ def make_moe_executor(name: str):
                 from .kernels.moe import split_front_options
                 from .kernels.moe_pipe import parse_pipe_variant
                 from .kernels.moe_wide import parse_wide_options
-                from .fused_moe import split_front_gemm
-                rest = split_front_gemm(variant)[1]  # 'fgemm' (the front as the shared-memory GEMM), then
+                from .fused_moe import split_gemm_options
+                rest = split_gemm_options(variant)[2]  # 'fgemm' / 'tgemm' (front / tail as the GEMM), then
                 rest = split_front_options(rest)[1]  # 'focc12' (the front kernel's) then the expert kernels'
                 rest = parse_wide_options(rest)[2]  # the wide kernels' (above 8 tokens), then the pipelined ones'
                 if rest:

@@ -2353,36 +2353,59 @@ def test_mma_rows_tilings_match_the_reference(w8, variant, tokens):
     assert r["all_written"] and r["check_ok"], (variant, r)
 
 
-def test_front_gemm_option_parses_and_its_kernels_are_built_ahead_of_time():
-    """'fgemm' (the front as the shared-memory GEMM of kernels/gemm.py from 65 tokens) comes out of a variant before
-    the other options; the benchmark accepts it; its GEMM is built at the front's TP8 and TP16 shapes."""
+def test_gemm_options_parse_and_their_kernels_are_built_ahead_of_time():
+    """'fgemm' and 'tgemm' (the front / the tail as the shared-memory GEMM of kernels/gemm.py from 65 tokens) come out
+    of a variant before the other options; the benchmark accepts them; their GEMMs are built at the front's and the
+    tail's TP8 and TP16 shapes, at both CTA widths FusedMoE takes."""
     from kimi_decode import fused_moe as fm
     from kimi_decode.kernels import gemm as GM
     from kimi_decode.kernels import moe as km
     from kimi_decode.moe_bench import make_moe_executor
-    assert fm.split_front_gemm("fgemm") == (True, None)
-    assert fm.split_front_gemm("wdownsh8-fgemm-rspread0") == (True, "wdownsh8-rspread0")
-    assert fm.split_front_gemm("wzpar") == (False, "wzpar")
-    assert fm.split_front_gemm(None) == (False, None)
-    make_moe_executor("fused@fgemm")
-    make_moe_executor("fused@fgemm-wdownsh8")
+    assert fm.split_gemm_options("fgemm") == (True, False, None)
+    assert fm.split_gemm_options("tgemm") == (False, True, None)
+    assert fm.split_gemm_options("wdownsh8-fgemm-rspread0-tgemm") == (True, True, "wdownsh8-rspread0")
+    assert fm.split_gemm_options("wzpar") == (False, False, "wzpar")
+    assert fm.split_gemm_options(None) == (False, False, None)
+    assert [fm.gemm_bm(n) for n in (65, fm.GEMM_BM128_ABOVE, fm.GEMM_BM128_ABOVE + 1, 512)] == [64, 64, 128, 128]
+    for name in ("fused@fgemm", "fused@fgemm-wdownsh8", "fused@tgemm", "fused@fgemm-tgemm"):
+        make_moe_executor(name)
     built = GM.aot_keys("sm_90a")
     for tp in (8, 16):
         s = km.shapes_for_tp(tp)
-        for bm in (64, 128):  # (FusedMoE takes 64 tokens a CTA up to fm.FRONT_GEMM_BM128_ABOVE, 128 above)
+        for bm in (64, 128):
             assert GM.GemmKey(n=s.ncat, k=km.D, bm=bm) in built, (tp, bm)
+            assert GM.tail_key(tp, bm) in built and GM.tail_key(tp, bm).n == km.D, (tp, bm)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [64, 65, 100, 256, 512])
-def test_front_gemm_option_matches_the_reference(w8, tokens):
-    """The MoE half with the front as the shared-memory GEMM ('fgemm', from 65 tokens) gives the reference; at 64
-    tokens the option does not apply (the tensor-core GEMV runs, no 'fgemm' in the name)."""
+@pytest.mark.parametrize("variant", ["fgemm", "tgemm", "fgemm-tgemm"])
+@pytest.mark.parametrize("tokens", [64, 65, 100, 256, 257, 512])
+def test_gemm_options_match_the_reference(w8, tokens, variant):
+    """The MoE half with the front ('fgemm') and/or the tail ('tgemm') as the shared-memory GEMM (from 65 tokens; 64
+    tokens a CTA up to 256, 128 above) gives the reference; at 64 tokens the options do not apply (the tensor-core
+    GEMVs run, neither name in the variant)."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=390 + tokens, device="cuda")
-    ex = FusedMoE(w8, x, variant="fgemm")
+    ex = FusedMoE(w8, x, variant=variant)
     applies = tokens >= 65
-    assert ("fgemm" in ex.variant) == applies and ex.kernels_used.startswith("gemm+") == applies, \
-        (ex.variant, ex.kernels_used)
-    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="fgemm"), w8, x)
+    used = ex.kernels_used.split("+")
+    for part, at in (("fgemm", 0), ("tgemm", -1)):
+        if part in variant:
+            assert (part in ex.variant) == applies and (used[at] == "gemm") == applies, (ex.variant, used)
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant=variant), w8, x)
+    assert r["all_written"] and r["check_ok"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [65, 512])
+def test_gemm_options_match_the_reference_at_tp16(tokens):
+    """'fgemm-tgemm' at TP16: the front's 5248 rows, and the tail's epilogue reads 16 shared buffers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kimi_decode.moe_bench import check_moe, moe_input
+    w16 = _weights(16)
+    x = moe_input(tokens, D, seed=395 + tokens, device="cuda")
+    used = FusedMoE(w16, x, variant="fgemm-tgemm").kernels_used.split("+")
+    assert used[0] == used[-1] == "gemm", used
+    r = check_moe(lambda w, xx: FusedMoE(w, xx, variant="fgemm-tgemm"), w16, x)
     assert r["all_written"] and r["check_ok"], r

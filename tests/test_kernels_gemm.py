@@ -17,6 +17,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     (dict(k=7168 + 32), "multiple of bk=64"),
     (dict(stages=1), "stages must be 2..8"),
     (dict(stages=7), "shared memory"),
+    (dict(tail_tp=4), "tail_tp must be 0"),
 ])
 def test_key_refuses_what_the_kernel_cannot_do(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -31,6 +32,10 @@ def test_shared_memory_and_ahead_of_time_keys():
     for k, n in G.MOE_SHAPES + [G.TEST_SHAPE]:
         for bm in (64, 128):
             assert G.GemmKey(n=n, k=k, bm=bm) in keys
+    for tp in (8, 16):
+        for bm in (64, 128):
+            key = G.tail_key(tp, bm)
+            assert key in keys and (key.k, key.n) == G.TAIL_SHAPE and key.tail_tp == tp
     assert len(set(keys)) == len(keys)
 
 
@@ -52,9 +57,19 @@ def test_cpu_tensors_and_wrong_dtypes_are_refused_before_any_launch():
         G.gemm([[0.0]], w)
 
 
+def test_tail_gemm_refuses_cpu_tensors_before_any_launch():
+    x = torch.zeros(65, 3584, dtype=torch.bfloat16)
+    w = torch.zeros(7168, 3584, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="tail_gemm runs on a CUDA device"):
+        G.tail_gemm(x, w, torch.zeros(65), torch.zeros(8, 65, 7168, dtype=torch.bfloat16), torch.zeros(8))
+    with pytest.raises(ValueError, match="M=65..512"):
+        G.tail_gemm(x[:64], w, torch.zeros(64), torch.zeros(8, 64, 7168, dtype=torch.bfloat16), torch.zeros(8))
+
+
 def test_gemm_builds_for_sm90_without_spills(compiler):
     from kimi_decode import compile as kc
-    for key in (G.GemmKey(n=6016, k=7168), G.GemmKey(n=6016, k=7168, bm=64), G.GemmKey(n=7168, k=3584)):
+    for key in (G.GemmKey(n=6016, k=7168), G.GemmKey(n=6016, k=7168, bm=64), G.GemmKey(n=7168, k=3584),
+                G.tail_key(8, 128), G.tail_key(16, 64)):
         ptx = kc.ptx_text(key)
         for needle in G.SPEC.ptx_checks:
             assert needle in ptx, (key, needle)
@@ -105,3 +120,31 @@ def test_gemm_matches_fp32_on_the_moe_front_and_tail_shapes(k, n, m):
         G.gemm(x, w, out=out, bm=bm)
         torch.cuda.synchronize()
         _assert_matches_fp32(out, x, w)
+
+
+def _tail_inputs(m, k, n, tp, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, w = _inputs(m, k, n, seed)
+    ssq = torch.rand(m, device="cuda", generator=g) * k + 0.5 * k  # Σ r² of unit-scale rows: rsqrt near 1
+    sh = torch.randn(tp, m, n, device="cuda", generator=g).to(torch.bfloat16)
+    coef = torch.rand(tp, device="cuda", generator=g)  # every buffer weighted, so a misread one shows
+    return x, w, ssq, sh, coef
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tp,bm,k,n", [(8, 64, *G.TEST_SHAPE), (8, 64, *G.TAIL_SHAPE), (8, 128, *G.TAIL_SHAPE),
+                                       (16, 64, *G.TAIL_SHAPE), (16, 128, *G.TAIL_SHAPE)])
+@pytest.mark.parametrize("m", [65, 200, 512])
+def test_tail_gemm_matches_its_fp32_epilogue(m, tp, bm, k, n):
+    """The MoE tail's epilogue (RMSNorm scale, tp shared buffers with their weights, bf16) against the same
+    arithmetic in fp32 on the host side, every element written."""
+    x, w, ssq, sh, coef = _tail_inputs(m, k, n, tp, seed=m + tp + bm + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    G.tail_gemm(x, w, ssq, sh, coef, out=out, bm=bm)
+    torch.cuda.synchronize()
+    ref = (x.float() @ w.float().T) * torch.rsqrt(ssq / k + 1e-5)[:, None] + torch.einsum("p,pmn->mn", coef, sh.float())
+    assert torch.isfinite(out).all(), "NaN in the output: a poisoned element was not written"
+    err = (out.float() - ref).abs()
+    # one bf16 rounding of the result (2^-8 relative) on top of the fp32 sums' few ulps
+    assert (err <= 2 ** -8 * ref.abs() + 1e-3).all(), f"max err {err.max().item():.3g}"

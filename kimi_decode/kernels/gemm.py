@@ -16,7 +16,12 @@ the tokens' x), accumulating in registers over all of K; they hand each slot bac
 (x: M tile, y: row block), so that they run together and their weight slices are read from HBM once.
 
 Tokens past M in the last M tile are not copied: their B columns hold whatever the slot held, and their outputs are
-not stored (the mma's columns are independent). Estimated at 512 tokens (docs/fused_moe.md, "What would close the
+not stored (the mma's columns are independent).
+
+With `tail_tp` (the MoE tail above 64 tokens, `fused_moe`'s 'tgemm') the epilogue is the tensor-core tail GEMV's
+(`kernels.moe.build_tail`): x is r ⊙ w_norm, each output is scaled by the RMSNorm's rsqrt(Σ r² / K + eps) of its
+token, the shared all-reduce's `tail_tp` buffers are added with their runtime weights, and the sum is stored as
+bf16; the same fp32 operations in the same order. Estimated at 512 tokens (docs/fused_moe.md, "What would close the
 gap"): about 0.69 GB through L2 for the front at bm = 128, 110-150 µs; not yet measured on a GPU.
 """
 
@@ -40,6 +45,8 @@ class GemmKey:
     bm: int = 128  # tokens per CTA (2 warps of bm / 2)
     bk: int = 64  # K per ring slot
     stages: int = 4
+    tail_tp: int = 0  # 0: out = x @ W.T in fp32; 8 or 16: the MoE tail's epilogue over that many shared buffers
+    eps: float = 1e-5  # the RMSNorm's, with tail_tp
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -53,6 +60,9 @@ class GemmKey:
             raise ValueError(f"gemm: N={self.n} must be a multiple of bn={self.bn}")
         if self.k % self.bk:
             raise ValueError(f"gemm: K={self.k} must be a multiple of bk={self.bk}")
+        if self.tail_tp not in (0, 8, 16):
+            raise ValueError(f"gemm: tail_tp must be 0 (plain fp32 out) or the MoE tail's TP (8 or 16), got "
+                             f"{self.tail_tp}")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"gemm: stages must be 2..8, got {self.stages}")
         if gemm_smem_bytes(self) > SMEM_BUDGET:
@@ -82,6 +92,7 @@ def build(key: GemmKey):
     from .ptx_ops import bulk_g2s, mma_bf16
 
     N, K, BN, BM, BK, ST = key.n, key.k, key.bn, key.bm, key.bk, key.stages
+    TP, EPS = key.tail_tp, key.eps
     RW = row_bytes(key) // 4  # words between staged rows
     SEG = 2 * BK  # bytes of one row segment
     W_SLOT = BN * RW  # words of a slot's weight rows
@@ -115,8 +126,20 @@ def build(key: GemmKey):
                 bulk(dst + (W_SLOT + t * RW) * 4, mX.iterator.toint() + (Int64(m0 + t) * K + k0) * 2, SEG,
                      bar.toint())
 
+    def store(mO, t, n, v, mSsq, mSh, cf):
+        """(traced in line, no control flow of its own) output (token t, row n) from its fp32 sum v: as it is, or
+        with the MoE tail's epilogue"""
+        if TP == 0:
+            mO[t, n] = v
+        else:
+            s = v * cute.math.rsqrt(mSsq[t] * Float32(1.0 / K) + Float32(EPS))
+            for p_ in range(TP):
+                s = s + cf[p_] * mSh[p_, t, n].to(Float32)
+            mO[t, n] = s.to(BFloat16)
+
     @cute.kernel
-    def gemm_kernel(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor):
+    def gemm_kernel(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                    mO: cute.Tensor):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -165,26 +188,43 @@ def build(key: GemmKey):
                     cute.arch.fence_view_async_shared()
                     fill(it + ST, slot, lane, n0, m0, mrows, mW, mX, bars, base)
         if warp < WARPS:  # c0 c1: row g, tokens 2c, 2c + 1 of the n8 tile; c2 c3: row g + 8, the same tokens
+            cf = []
+            for p_ in cutlass.range_constexpr(TP):
+                cf.append(mCoef[p_])
             for i in cutlass.range_constexpr(2):
                 for j in cutlass.range_constexpr(TM):
                     for q in cutlass.range_constexpr(4):
                         t = (BM // 2) * wm + 8 * j + 2 * c + (q % 2)
                         if t < mrows:
-                            mO[m0 + t, n0 + 32 * wr + 16 * i + g + 8 * (q // 2)] = acc[4 * (TM * i + j) + q]
+                            store(mO, m0 + t, n0 + 32 * wr + 16 * i + g + 8 * (q // 2), acc[4 * (TM * i + j) + q],
+                                  mSsq, mSh, cf)
+
+    def launch(mW, mX, mSsq, mSh, mCoef, mO, stream):
+        M = mX.shape[0]
+        gemm_kernel(mW, mX, mSsq, mSh, mCoef, mO).launch(grid=(cute.ceil_div(M, BM), N // BN, 1),
+                                                         block=(THREADS, 1, 1), smem=gemm_smem_bytes(key),
+                                                         stream=stream)
 
     @cute.jit
     def gemm_host(mW: cute.Tensor, mX: cute.Tensor, mO: cute.Tensor, stream):
-        M = mX.shape[0]
-        gemm_kernel(mW, mX, mO).launch(grid=(cute.ceil_div(M, BM), N // BN, 1), block=(THREADS, 1, 1),
-                                       smem=gemm_smem_bytes(key), stream=stream)
+        launch(mW, mX, mX, mX, mX, mO, stream)  # no epilogue inputs: x in their places, never read
+
+    @cute.jit
+    def tail_host(mW: cute.Tensor, mX: cute.Tensor, mSsq: cute.Tensor, mSh: cute.Tensor, mCoef: cute.Tensor,
+                  mO: cute.Tensor, stream):  # the arguments of the MoE tail GEMV (`kernels.moe.build_tail`)
+        launch(mW, mX, mSsq, mSh, mCoef, mO, stream)
 
     fake = cute.runtime.make_fake_compact_tensor
     m = cute.sym_int()
     w = fake(BFloat16, (N, K), stride_order=(1, 0), assumed_align=16)
     x = fake(BFloat16, (m, K), stride_order=(1, 0), assumed_align=16)
-    o = fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return gemm_host, (w, x, o, stream)
+    if TP == 0:
+        return gemm_host, (w, x, fake(Float32, (m, N), stride_order=(1, 0), assumed_align=16), stream)
+    return tail_host, (w, x, fake(Float32, (m,), assumed_align=16),
+                       fake(BFloat16, (TP, m, N), stride_order=(2, 1, 0), assumed_align=16),
+                       fake(Float32, (TP,), assumed_align=16),
+                       fake(BFloat16, (m, N), stride_order=(1, 0), assumed_align=16), stream)
 
 
 # (K, N) of the MoE front (router, latent down, shared gate/up) and tail (W_up) at TP8 and TP16, and a test shape
@@ -193,9 +233,20 @@ MOE_SHAPES = [(7168, 6016), (3584, 7168), (7168, 5248)]
 TEST_SHAPE = (1472, 256)
 
 
+TAIL_SHAPE = (3584, 7168)  # (K, N) of W_up (replicated: the same at TP8 and TP16)
+
+
+def tail_key(tp: int, bm: int, arch: str = "sm_90a") -> GemmKey:
+    """The MoE tail as this GEMM ('tgemm'): r ⊙ w_norm against W_up with the tail's epilogue over tp buffers."""
+    k, n = TAIL_SHAPE
+    return GemmKey(n=n, k=k, bm=bm, tail_tp=tp, arch=arch)
+
+
 def aot_keys(arch: str) -> list[GemmKey]:
     keys = [GemmKey(n=n, k=k, bm=bm, arch=arch) for k, n in MOE_SHAPES for bm in (64, 128)]
     keys += [GemmKey(n=TEST_SHAPE[1], k=TEST_SHAPE[0], bm=bm, arch=arch) for bm in (64, 128)]
+    keys += [tail_key(tp, bm, arch) for tp in (8, 16) for bm in (64, 128)]
+    keys += [GemmKey(n=TEST_SHAPE[1], k=TEST_SHAPE[0], bm=64, tail_tp=8, arch=arch)]  # the epilogue's quick test
     return keys
 
 
@@ -222,4 +273,29 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = No
     return out
 
 
-__all__ = ["GemmKey", "gemm", "gemm_smem_bytes", "slot_bytes", "MOE_SHAPES"]
+def tail_gemm(x: torch.Tensor, weight: torch.Tensor, ssq: torch.Tensor, shared: torch.Tensor, coef: torch.Tensor, *,
+              out: torch.Tensor | None = None, bm: int = 128, eps: float = 1e-5,
+              arch: str | None = None) -> torch.Tensor:
+    """The MoE tail above 64 tokens as this GEMM, with the tail GEMV's epilogue (`kernels.moe.build_tail`):
+    out[t, n] = bf16((x[t] · weight[n]) · rsqrt(ssq[t] / K + eps) + Σ_p coef[p] · shared[p, t, n]) for x [M, K] bf16
+    (r ⊙ w_norm, M = 65..512), weight [N, K] bf16, ssq [M] fp32 (Σ r² of each token), shared [tp, M, N] bf16 (the
+    shared all-reduce's buffers, tp 8 or 16) and coef [tp] fp32 (their weights). `out` ([M, N] bf16) may be given."""
+    from .gemv import _check, check_operands
+
+    M, K, N, dev = check_operands("tail_gemm", x, weight, MIN_M, MAX_M, " (fewer: the tensor-core tail GEMV)")
+    if not isinstance(shared, torch.Tensor) or shared.dim() != 3:
+        raise ValueError(f"shared must be [tp, M, N], got {tuple(getattr(shared, 'shape', ()))}")
+    tp = shared.shape[0]
+    _check("ssq", ssq, (M,), torch.float32, dev)
+    _check("shared", shared, (tp, M, N), torch.bfloat16, dev)
+    _check("coef", coef, (tp,), torch.float32, dev)
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
+    else:
+        _check("out", out, (M, N), torch.bfloat16, dev)
+    key = GemmKey(n=N, k=K, bm=bm, tail_tp=tp, eps=eps, arch=kc.resolve_arch(arch))  # raises before any launch
+    kc.load(key)(weight, x, ssq, shared, coef, out)
+    return out
+
+
+__all__ = ["GemmKey", "gemm", "tail_gemm", "tail_key", "gemm_smem_bytes", "slot_bytes", "MOE_SHAPES", "TAIL_SHAPE"]
