@@ -285,7 +285,7 @@ class FusedMoE:
             tags.append("tring" + tail_key.geometry_tag)
         if tail_gemm:  # 'tgemm': the tail as the shared-memory GEMM with the tail GEMV's epilogue (same arguments)
             from .kernels.gemm import tail_key as gemm_tail_key
-            tail_key = gemm_tail_key(tp, gemm_bm(N), arch)
+            tail_key = gemm_tail_key(tp, gemm_bm(N), arch, eps=shape.eps)
             tags.append("tgemm")
         self.variant = "+".join([*tags, self.variant])
         self.pdl = pdl

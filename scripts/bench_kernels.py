@@ -6,7 +6,8 @@ GEMV: each decode shape (M×K×N) against torch.mm (cuBLAS) in the same run;
 weights rotated across enough copies that the working set exceeds the 60 MB
 L2 many times. Each graph holds one launch per copy; a replay is timed with
 CUDA events; the figure is the median per launch over many replays.
-AttnRes: batch 1/8/64 over rotated (p, δ, B) copies; bytes = reads + writes.
+AttnRes: batch 1/8/64 over rotated (p, δ, B) copies; bytes = reads + writes. Every kernel is checked against the
+fp32 reference (outputs NaN-poisoned) before it is timed.
 GEMM (`--only gemm`, M above 64): the shared-memory GEMM at the MoE front and tail shapes against torch.mm and,
 where built, the tensor-core GEMV, each checked against the fp32 reference first; TFLOP/s beside GB/s.
 """
@@ -178,32 +179,36 @@ def bench_gemm(rows, m_list, replays):
         torch.cuda.empty_cache()
 
 
-def check_mma_gemv(x, w, out, loop: bool = False):
-    """NaN-poison `out`, run the tensor-core GEMV once, and require every element written and within twice the
-    error of a bf16 torch.mm against the fp32 reference (the rule of tests/test_kernels_gemv.py)."""
+def check_gemv(run, x, w, out, what: str) -> None:
+    """NaN-poison `out`, `run()` a GEMV of x against w into it once, and require every element written and within
+    twice the error of a bf16 torch.mm against the fp32 reference (the rule of tests/test_kernels_gemv.py)."""
     out.fill_(float("nan"))
-    G.gemv(x, w, out=out, mma=True, mma_loop=loop)
+    run()
     ref = x.float() @ w.float().T
     torch.cuda.synchronize()
     if not torch.isfinite(out).all():
-        raise RuntimeError(f"mma GEMV {tuple(x.shape)}x{tuple(w.shape)}: NaN left in the output")
+        raise RuntimeError(f"{what} {tuple(x.shape)}x{tuple(w.shape)}: NaN left in the output")
     err = (out.float() - ref).abs().max().item()
     err_bf16 = ((x @ w.T).float() - ref).abs().max().item()
     if err > 2 * err_bf16 + 1e-3 * ref.abs().max().item():
-        raise RuntimeError(f"mma GEMV {tuple(x.shape)}x{tuple(w.shape)}: max err {err:.3g} vs bf16 {err_bf16:.3g}")
+        raise RuntimeError(f"{what} {tuple(x.shape)}x{tuple(w.shape)}: max err {err:.3g} vs bf16 {err_bf16:.3g}")
+
+
+def check_mma_gemv(x, w, out, loop: bool = False):
+    """`check_gemv` for the tensor-core GEMV (unrolled, or `loop`: the register-ring loop)."""
+    check_gemv(lambda: G.gemv(x, w, out=out, mma=True, mma_loop=loop), x, w, out, "mma GEMV")
 
 
 def bench_tuning(rows, ks, replays):
-    """Every tiling of `G.tuning_keys` (built with `build --tuning`) at its m_tile's batch; only K in `ks` if given."""
+    """Every tiling of `G.tuning_keys` (built with `build --tuning`) at its m_tile's batch; only K in `ks` if given.
+    Each tiling is checked against the fp32 reference before it is timed."""
     by_shape = {}
     for key in G.tuning_keys(kc.resolve_arch(None)):
         if ks and key.k not in ks:
             continue
         by_shape.setdefault((key.k, key.n), []).append(key)
     for (k, n), keys in by_shape.items():
-        wbytes = n * k * 2
-        copies = max(3, math.ceil(ROTATE_BYTES / wbytes))
-        ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16) for _ in range(copies)]
+        copies, ws = rotated_weights(n, k)
         for key in keys:
             m = 1 if key.m_tile == 1 else 8
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -213,17 +218,38 @@ def bench_tuning(rows, ks, replays):
             except Exception as e:  # not built
                 print(f"skip {key}: {e}")
                 continue
-            med, p10, p90 = summarize(time_graph([lambda w=w: fn(w, x, out, x, x) for w in ws], replays))
-            moved = wbytes + m * k * 2 + m * n * 2
-            rows.append(dict(kernel="gemv", impl="cute_gemv_tuning", M=m, K=k, N=n,
-                             params=f"rows={key.rows} warps={key.warps} unroll={key.unroll} m_tile={key.m_tile}",
-                             copies=copies, us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3),
-                             bytes=moved, gbs=round(moved / med / 1e3, 1),
-                             frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+            check_gemv(lambda w0=ws[0]: fn(w0, x, out, x, x), x, ws[0], out, f"GEMV tiling {key}")
+            moved = n * k * 2 + m * k * 2 + m * n * 2
+            row, med = timed_row([lambda w=w: fn(w, x, out, x, x) for w in ws], replays, moved, kernel="gemv",
+                                 impl="cute_gemv_tuning", M=m, K=k, N=n, params=f"rows={key.rows} warps={key.warps} "
+                                 f"unroll={key.unroll} m_tile={key.m_tile}", copies=copies)
+            rows.append(row)
             print(f"tune {m}x{k}x{n} rows={key.rows} warps={key.warps} unroll={key.unroll}: {med:7.2f} us "
                   f"{moved / med / 1e3:6.0f} GB/s", flush=True)
         del ws
         torch.cuda.empty_cache()
+
+
+def check_attn_res(c, n, j, w, use_delta, use_wo):
+    """AttnRes + RMSNorm once on copies of the set `c` (y NaN-poisoned), against the fp32 reference: p + δ and the
+    block write exact, y within twice the bf16-storage reference's error (the rule of tests/test_kernels_attn_res.py)."""
+    from kimi_decode.reference.attn_res import attn_res
+    from kimi_decode.reference.precision import Storage
+
+    p, blocks, y = c["p"].clone(), c["blocks"].clone(), torch.full_like(c["y"], float("nan"))
+    delta = c["delta"] if use_delta else None
+    A.attn_res_fused(p, delta, blocks, n, j, w[0], w[1], w[2] if use_wo else None, out=y)
+    torch.cuda.synchronize()
+    args = [t.cpu() if isinstance(t, torch.Tensor) else t
+            for t in (c["p"], delta, c["blocks"], n, j, w[0], w[1], w[2] if use_wo else None)]
+    y_ref, p_ref, b_ref = attn_res(*args)
+    y_bf = attn_res(*args, storage=Storage.BF16)[0]
+    y = y.float().cpu()
+    err, err_bf = (y - y_ref).abs().max().item(), (y_bf - y_ref).abs().max().item()
+    if not (torch.isfinite(y).all() and torch.equal(p.cpu(), p_ref) and torch.equal(blocks.cpu(), b_ref)
+            and err <= 2 * err_bf + 1e-3 * y_ref.abs().max().item()):
+        raise RuntimeError(f"attn_res n={n} T={c['p'].shape[0]}: y max err {err:.3g} vs bf16 {err_bf:.3g}, or NaN "
+                           f"left in y, or p / blocks differ from the reference")
 
 
 def bench_attn_res(rows, t_list, replays):
@@ -239,14 +265,13 @@ def bench_attn_res(rows, t_list, replays):
                                  blocks=torch.randn(T, s, d, device="cuda").to(torch.bfloat16),
                                  y=torch.empty(T, d, device="cuda", dtype=torch.bfloat16)))
             w = [(1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16) for _ in range(3)]
+            check_attn_res(sets[0], n, j, w, use_delta, use_wo)
             launches = [lambda c=c: A.attn_res_fused(c["p"], c["delta"] if use_delta else None, c["blocks"], n, j,
                                                       w[0], w[1], w[2] if use_wo else None, out=c["y"]) for c in sets]
-            med, p10, p90 = summarize(time_graph(launches, replays))
             moved = per * (1 + use_delta + n + 1 + 1) + 3 * d * 2  # read p, δ, n blocks; write p, y; weights
-            rows.append(dict(kernel="attn_res", impl="cute_attn_res", M=T, K=d, N=n,
-                             params=f"n={n} delta={use_delta} j={j} norm_out={use_wo}", copies=copies,
-                             us_median=round(med, 3), us_p10=round(p10, 3), us_p90=round(p90, 3), bytes=moved,
-                             gbs=round(moved / med / 1e3, 1), frac_of_peak=round(moved / med / 1e3 / PEAK_GBS, 3)))
+            row, med = timed_row(launches, replays, moved, kernel="attn_res", impl="cute_attn_res", M=T, K=d, N=n,
+                                 params=f"n={n} delta={use_delta} j={j} norm_out={use_wo}", copies=copies)
+            rows.append(row)
             print(f"attn_res n={n} T={T:2d}: {med:6.2f} us  {moved / med / 1e3:6.0f} GB/s", flush=True)
             del sets
 

@@ -2374,7 +2374,8 @@ def test_gemm_options_parse_and_their_kernels_are_built_ahead_of_time():
         s = km.shapes_for_tp(tp)
         for bm in (64, 128):
             assert GM.GemmKey(n=s.ncat, k=km.D, bm=bm) in built, (tp, bm)
-            assert GM.tail_key(tp, bm) in built and GM.tail_key(tp, bm).n == km.D, (tp, bm)
+            key = GM.tail_key(tp, bm, eps=s.eps)
+            assert key in built and (key.k, key.n) == (km.L, km.D), (tp, bm)
 
 
 @pytest.mark.gpu

@@ -66,6 +66,17 @@ def test_tail_gemm_refuses_cpu_tensors_before_any_launch():
         G.tail_gemm(x[:64], w, torch.zeros(64), torch.zeros(8, 64, 7168, dtype=torch.bfloat16), torch.zeros(8))
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tp", [0, 4])
+def test_tail_gemm_refuses_other_buffer_counts_before_any_launch(tp):
+    x = torch.zeros(65, 3584, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(7168, 3584, dtype=torch.bfloat16, device="cuda")
+    sh = torch.zeros(tp, 65, 7168, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="8 or 16 all-reduce buffers"):
+        G.tail_gemm(x, w, torch.zeros(65, device="cuda"), sh, torch.zeros(tp, device="cuda"))
+
+
 def test_gemm_builds_for_sm90_without_spills(compiler):
     from kimi_decode import compile as kc
     for key in (G.GemmKey(n=6016, k=7168), G.GemmKey(n=6016, k=7168, bm=64), G.GemmKey(n=7168, k=3584),

@@ -236,10 +236,11 @@ TEST_SHAPE = (1472, 256)
 TAIL_SHAPE = (3584, 7168)  # (K, N) of W_up (replicated: the same at TP8 and TP16)
 
 
-def tail_key(tp: int, bm: int, arch: str = "sm_90a") -> GemmKey:
-    """The MoE tail as this GEMM ('tgemm'): r ⊙ w_norm against W_up with the tail's epilogue over tp buffers."""
+def tail_key(tp: int, bm: int, arch: str = "sm_90a", eps: float = 1e-5) -> GemmKey:
+    """The MoE tail as this GEMM ('tgemm'): r ⊙ w_norm against W_up with the tail's epilogue over tp buffers (eps:
+    the RMSNorm's, `moe.MoEShape.eps`; built ahead of time at 1e-5)."""
     k, n = TAIL_SHAPE
-    return GemmKey(n=n, k=k, bm=bm, tail_tp=tp, arch=arch)
+    return GemmKey(n=n, k=k, bm=bm, tail_tp=tp, eps=eps, arch=arch)
 
 
 def aot_keys(arch: str) -> list[GemmKey]:
@@ -286,6 +287,8 @@ def tail_gemm(x: torch.Tensor, weight: torch.Tensor, ssq: torch.Tensor, shared: 
     if not isinstance(shared, torch.Tensor) or shared.dim() != 3:
         raise ValueError(f"shared must be [tp, M, N], got {tuple(getattr(shared, 'shape', ()))}")
     tp = shared.shape[0]
+    if tp not in (8, 16):
+        raise ValueError(f"tail_gemm: shared must hold the MoE tail's 8 or 16 all-reduce buffers (TP8, TP16), got {tp}")
     _check("ssq", ssq, (M,), torch.float32, dev)
     _check("shared", shared, (tp, M, N), torch.bfloat16, dev)
     _check("coef", coef, (tp,), torch.float32, dev)

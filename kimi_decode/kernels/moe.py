@@ -178,9 +178,10 @@ class MoEFrontKey:
     # the GEMV on tensor cores (`gemv.gemv_partials_mma`, its register-ring loop): m_tile in MMA_TILES, the
     # default from MMA_MIN_TOKENS tokens ('mma0': the CUDA-core GEMV at m_tile 8)
     mma: bool = False
-    # ('mrowsR[wW]', tensor cores at 64 tokens) R rows a CTA over W warps instead of `gemv.mma_tiling`'s 32 over 4:
-    # every CTA reads all of x (64 tokens: 917 KB at K 7168) from L2, so 32-row CTAs read twice the weight's bytes
-    # of x again. Run 78 (H100): no faster (front 51.9-68.2 µs against 49.2 at 64 tokens). 0: the default tiling
+    # ('mrowsR[wW]', tensor cores at m_tile 64: every step of 9-512 tokens with the routing as its own launch) R rows
+    # a CTA over W warps instead of `gemv.mma_tiling`'s 32 over 4: every CTA reads all of its M tile's x (64 tokens:
+    # 917 KB at K 7168) from L2, so 32-row CTAs read twice the weight's bytes of x again. Run 78 (H100): no faster
+    # at 64 tokens (front 51.9-68.2 µs against 49.2); 256 and 512 tokens wait for stage moe-mrows512. 0: the default
     mma_rows: int = 0
     mma_warps: int = 0
     arch: str = "sm_90a"
@@ -1342,13 +1343,19 @@ def _tensor_cores(m: int, options: dict) -> bool:
     return m >= MMA_MIN_TOKENS and options.get("tensor_cores", True)
 
 
+def _mma_rows(options: dict, mma: bool, m_tile: int) -> tuple[int, int]:
+    """(rows, warps) of the 'mrowsR[wW]' tiling for a front or tail GEMV on tensor cores at m_tile 64, else (0, 0):
+    the default tiling."""
+    return options.get("mma_rows", (0, 0)) if mma and m_tile == MMA_TILES[-1] else (0, 0)
+
+
 def tail_key_for(shape: MoEShape, m: int, pdl: bool, options: dict | None = None, arch: str = "sm_90a") -> "MoETailKey":
     """The plain tail GEMV's key for a step of m tokens (`split_front_options`' 'mma0' and 'mtfit0' apply): on
     tensor cores from MMA_MIN_TOKENS tokens (m_tile 8, or 64 above 8 tokens), else at the front's m_tile."""
     o = options or {}
     if _tensor_cores(m, o):
         mt = MMA_TILES[0] if m <= MMA_TILES[0] else MMA_TILES[-1]
-        rows, warps = o.get("mma_rows", (0, 0)) if mt == MMA_TILES[-1] else (0, 0)
+        rows, warps = _mma_rows(o, True, mt)
         return MoETailKey(shape, m_tile=mt, pdl=pdl, mma=True, mma_rows=rows, mma_warps=warps, arch=arch)
     mt = pick_m_tile(m, M_TILES if o.get("m_tile_fit", True) else M8_TILES)
     return MoETailKey(shape, m_tile=mt, pdl=pdl, arch=arch)
@@ -1401,7 +1408,7 @@ def front_key_for(shape: MoEShape, m: int, separate_routing: bool, options: dict
                          "plain front launched in stream order; it cannot go with fring or fpdl")
     if ring:
         return ring_key, tags
-    rows, warps = o.get("mma_rows", (0, 0)) if mma and mt == MMA_TILES[-1] else (0, 0)
+    rows, warps = _mma_rows(o, mma, mt)
     if rows:
         tags.append(f"mrows{rows}" + (f"w{warps}" if warps else ""))
     key = MoEFrontKey(shape, m_tile=mt, route=not separate_routing, min_ctas=occ,
