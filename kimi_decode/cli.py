@@ -7,7 +7,7 @@ import json
 import sys
 
 from .config import LAYER_KINDS, DecodeShape, ShardSpec
-from .support import UnsupportedConfiguration, check_supported, describe_supported, support_matrix
+from .support import GPURequired, UnsupportedConfiguration, check_supported, describe_supported, support_matrix
 
 
 def _add_shape_args(p: argparse.ArgumentParser, context_default: int = 4096) -> None:
@@ -93,6 +93,21 @@ def _executor_name(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def _moe_executors(text: str) -> str:
+    """argparse type of `moe --executors`: comma-separated MoE executors, each checked (its @VARIANT parsed) without a
+    GPU, so that a typo fails before any work."""
+    from .moe_bench import make_moe_executor
+    names = [n for n in text.split(",") if n]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one executor, e.g. stock,fused")
+    for name in names:
+        try:
+            make_moe_executor(name)
+        except (ValueError, KeyError) as e:
+            raise argparse.ArgumentTypeError(f"{name}: {e}") from None
+    return ",".join(names)
 
 
 def _cmd_sweep(args) -> int:
@@ -310,9 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "executor on a fresh input, compare with the fp32 reference (NaN-poisoned outputs), "
                                    "then time it under CUDA graphs (weights rotated through L2) and report the floor "
                                    "ratio and the speedup of fused over stock. Writes a CSV with provenance.")
-    p.add_argument("--executors", default="stock,fused")
-    p.add_argument("--tps", default="8")
-    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--executors", default="stock,fused", type=_moe_executors,
+                   help="comma-separated: stock, fused, fused5, fused-nopdl, fused-pdl, fused-direct, fused-pipeup; "
+                        "fused@VARIANT and fused-direct@VARIANT take options joined by '-' (e.g. fused@wdownsh8, "
+                        "fused@fgemm-tgemm: the front and tail as the shared-memory GEMM above 64 tokens); the "
+                        "options are listed in FusedMoE's docstring and docs/fused_moe.md, and a malformed name is "
+                        "refused before any GPU work")
+    p.add_argument("--tps", default="8", help="tensor-parallel shards, e.g. 8 or 8,16")
+    p.add_argument("--batches", default="1,8,64", help="sequences per step, e.g. 1,8,64 (1..64)")
     _add_run_args(p, "tokens per sequence, e.g. 1,4,8 (batch x tokens <= 512 fused)")
     p.add_argument("--breakdown", action="store_true",
                    help="time the graph of each executor's first k launches, k = 1..n: what each launch adds "
@@ -391,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UnsupportedConfiguration as e:
+    except (UnsupportedConfiguration, GPURequired) as e:  # a request this machine or the matrix cannot serve
         print(f"kimi-decode {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,8 @@ from typing import Iterable
 
 import pandas as pd
 
+from .support import GPURequired
+
 MOE_UP_MMAS_PER_SMSP = 56  # per item: 16 rows × 3584 codes / (16 × 16 per mma) over 4 sub-partitions
 
 
@@ -26,7 +28,7 @@ def run_mma_rate(keys: Iterable | None = None, outer: int | None = None, repeats
     from .kernels import mma_rate as km
 
     if not torch.cuda.is_available():
-        raise RuntimeError("mma-rate measures a GPU's tensor cores and needs one (run it through the offline "
+        raise GPURequired("mma-rate measures a GPU's tensor cores and needs one (run it through the offline "
                            "bundle on the GPU host)")
     keys = list(keys) if keys is not None else km.rate_keys(kc.resolve_arch(None))
     kc.require_available(keys, "the whole set is built by `kimi-decode bundle --tuning`")

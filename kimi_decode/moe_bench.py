@@ -20,6 +20,7 @@ from .byte_counts import moe_replicated_bytes, routed_expert_bytes, shared_exper
 from .config import ShardSpec
 from .reference import Storage
 from .reference.moe import moe_block_one_rank
+from .support import GPURequired
 from .weights import LayerWeights, make_layer_weights
 
 MOE_EXECUTORS = ("stock", "fused", "fused5", "fused-nopdl", "fused-pdl", "fused-direct", "fused-pipeup")
@@ -57,7 +58,15 @@ def make_moe_executor(name: str):
                 rest = split_front_options(rest)[1]  # 'focc12' (the front kernel's) then the expert kernels'
                 rest = parse_wide_options(rest)[2]  # the wide kernels' (above 8 tokens), then the pipelined ones'
                 if rest:
-                    parse_pipe_variant(rest)
+                    try:
+                        parse_pipe_variant(rest)
+                    except ValueError as e:
+                        raise ValueError(f"{e}. Besides these: the front and routing kernels' options (cand0, mtfit0, "
+                                         "tring0, tringRxS, fring, fringRxS, cotail, tringco, skeys, foccN, fpdl, "
+                                         "mma0, rspread0, mrowsR[wW]; kernels.moe.split_front_options), the wide "
+                                         "expert kernels' above 8 tokens (wsync, wstN, wupstN, wdownstN, wdownc16, "
+                                         "wdownr128, wdownpf, wdownsh8, wzpar; moe_wide.parse_wide_options) and "
+                                         "fgemm / tgemm (fused_moe.split_gemm_options)") from None
             else:
                 raise ValueError(f"variants apply to fused-direct (launch shapes, e.g. fused-direct@w4r2-w4r4e4s4) "
                                  f"and fused (options of the pipelined kernels, e.g. fused@run17), got {name!r}")
@@ -105,7 +114,7 @@ def run_moe_sweep(executors: Iterable[str] = MOE_EXECUTORS, tps: Iterable[int] =
     from .sweeps import choose_copies
 
     if not torch.cuda.is_available():
-        raise RuntimeError("the MoE sweep needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+        raise GPURequired("the MoE sweep needs a CUDA GPU; on a CPU machine read data/measured/ instead")
     executors, tps, batches, tokens = list(executors), list(tps), list(batches), list(tokens)
     copy_bw = measure_copy_bandwidth() if timed else float("nan")
     prov = provenance()
@@ -190,7 +199,7 @@ def run_moe_breakdown(executors: Iterable[str] = ("fused",), tp: int = 8, batche
     from .sweeps import choose_copies
 
     if not torch.cuda.is_available():
-        raise RuntimeError("the breakdown needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+        raise GPURequired("the breakdown needs a CUDA GPU; on a CPU machine read data/measured/ instead")
     shard = ShardSpec(tp=tp)
     w = make_layer_weights("kda_moe", shard, seed=seed).to("cuda")
     copy_bw = measure_copy_bandwidth()

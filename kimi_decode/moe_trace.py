@@ -25,6 +25,7 @@ import torch
 
 from .config import ShardSpec
 from .moe_bench import _moe_copies, check_moe, moe_input, moe_streamed_bytes
+from .support import GPURequired
 from .weights import make_layer_weights
 
 
@@ -60,7 +61,7 @@ def run_moe_trace(tp: int = 8, batches: Iterable[int] = (1, 8), variant: str | N
     from .sweeps import choose_copies
 
     if not torch.cuda.is_available():
-        raise RuntimeError("the timeline needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+        raise GPURequired("the timeline needs a CUDA GPU; on a CPU machine read data/measured/ instead")
     shard = ShardSpec(tp=tp)
     w = make_layer_weights("kda_moe", shard, seed=seed).to("cuda")
     prov = provenance()

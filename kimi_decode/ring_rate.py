@@ -15,6 +15,8 @@ from typing import Iterable
 
 import pandas as pd
 
+from .support import GPURequired
+
 TAIL_MB = 7168 * 3584 * 2 / 1e6  # W_up at TP8: what the tail ring streams
 
 
@@ -29,7 +31,7 @@ def run_ring_rate(keys: Iterable | None = None, mb: float | None = None, copies:
     from .kernels import ring_rate as kr
 
     if not torch.cuda.is_available():
-        raise RuntimeError("ring-rate measures a GPU's memory system and needs one (run it through the offline "
+        raise GPURequired("ring-rate measures a GPU's memory system and needs one (run it through the offline "
                            "bundle on the GPU host)")
     mb = TAIL_MB if mb is None else float(mb)
     if not 1 <= copies <= 64 or mb <= 0:

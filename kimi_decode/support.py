@@ -31,6 +31,11 @@ class UnsupportedConfiguration(ValueError):
         super().__init__(f"unsupported {axis}: {value!r} (supported: {supported})")
 
 
+class GPURequired(RuntimeError):
+    """A measurement asked for on a machine without a CUDA GPU (the message says what needs one and where to look
+    instead); the command line prints it without a traceback."""
+
+
 @dataclass(frozen=True)
 class SupportMatrixRow:
     axis: str

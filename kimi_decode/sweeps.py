@@ -21,7 +21,7 @@ from .byte_counts import layer_bytes
 from .config import DecodeShape, ShardSpec
 from .reference import Storage, decoder_layer
 from .state import DecodeState, make_decode_state
-from .support import check_supported
+from .support import GPURequired, check_supported
 from .weights import LayerWeights, make_layer_weights
 
 L2_BYTES = 60 * 2**20
@@ -136,7 +136,7 @@ def run_sweep(make_executor, executor_name: str, configs: Iterable[tuple],
     from tqdm.auto import tqdm
 
     if not torch.cuda.is_available():
-        raise RuntimeError("timing needs a CUDA GPU; on a CPU machine read data/measured/ instead")
+        raise GPURequired("timing needs a CUDA GPU; on a CPU machine read data/measured/ instead")
     configs = [_config(c) for c in configs]
     for kind, tp, shape, dcp in configs:
         check_supported(layer=kind, tp=tp, dcp=dcp, shape=shape)

@@ -8,8 +8,9 @@ L2 many times. Each graph holds one launch per copy; a replay is timed with
 CUDA events; the figure is the median per launch over many replays.
 AttnRes: batch 1/8/64 over rotated (p, δ, B) copies; bytes = reads + writes. Every kernel is checked against the
 fp32 reference (outputs NaN-poisoned) before it is timed.
-GEMM (`--only gemm`, M above 64): the shared-memory GEMM at the MoE front and tail shapes against torch.mm and,
-where built, the tensor-core GEMV, each checked against the fp32 reference first; TFLOP/s beside GB/s.
+GEMM (`--only gemm`, M above 64): the shared-memory GEMM at the MoE front and tail shapes against torch.mm, each
+checked against the fp32 reference first; TFLOP/s beside GB/s. Then the MoE tail with its epilogue: the tensor-core
+tail GEMV that `fused` runs above 64 tokens against the GEMM with the tail's epilogue ('tgemm').
 """
 
 import argparse
@@ -177,6 +178,46 @@ def bench_gemm(rows, m_list, replays):
                       flush=True)
         del ws
         torch.cuda.empty_cache()
+    bench_tail_gemm(rows, m_list, replays)
+
+
+def bench_tail_gemm(rows, m_list, replays, tp: int = 8):
+    """The MoE tail above 64 tokens: its tensor-core GEMV (what `fused` runs, m_tile 64) against the shared-memory GEMM
+    with the tail's epilogue ('tgemm', bm 64 and 128), same inputs (W_up rotated; every shared buffer weighted), each
+    checked against the fp32 epilogue first (every element written). GB/s counts W_up, r, Σ r², the tp shared
+    buffers and the output."""
+    from kimi_decode.kernels import moe as km
+
+    k, n = GM.TAIL_SHAPE
+    shape = km.shapes_for_tp(tp)
+    copies, ws = rotated_weights(n, k)
+    for m in m_list:
+        r = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        ssq = torch.rand(m, device="cuda") * k + 0.5 * k
+        sh = torch.randn(tp, m, n, device="cuda").to(torch.bfloat16)
+        coef = torch.rand(tp, device="cuda")
+        ref = ((r.float() @ ws[0].float().T) * torch.rsqrt(ssq / k + shape.eps)[:, None]
+               + torch.einsum("p,pmn->mn", coef, sh.float()))
+        gemv = kc.load(km.tail_key_for(shape, m, False))
+        impls = {"moe_tail_gemv": lambda w, o: gemv(w, r, ssq, sh, coef, o)}
+        for bm in (64, 128):
+            impls[f"cute_tail_gemm_bm{bm}"] = lambda w, o, bm=bm: GM.tail_gemm(r, w, ssq, sh, coef, out=o, bm=bm,
+                                                                             eps=shape.eps)
+        moved = n * k * 2 + m * k * 2 + m * 4 + tp * m * n * 2 + m * n * 2
+        for impl, run in impls.items():
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            run(ws[0], out)
+            torch.cuda.synchronize()
+            err = (out.float() - ref).abs()
+            if not (torch.isfinite(out).all() and (err <= 2 ** -8 * ref.abs() + 1e-3).all()):
+                raise SystemExit(f"{impl} {m}x{k}x{n} tp{tp}: max err {err.max().item():.3g}, or NaN left in the output")
+            row, med = timed_row([lambda w=w: run(w, out) for w in ws], replays, moved, kernel="moe_tail", impl=impl,
+                                 M=m, K=k, N=n, params=f"tp={tp}", copies=copies)
+            rows.append({**row, "tflops": round(2 * m * n * k / med / 1e6, 1),
+                         "max_rel_err_vs_fp32": (err.max() / ref.abs().max()).item()})
+            print(f"moe_tail {impl:20s} {m:3d}x{k}x{n}: {med:8.2f} us", flush=True)
+    del ws
+    torch.cuda.empty_cache()
 
 
 def check_gemv(run, x, w, out, what: str) -> None:

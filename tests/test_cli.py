@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kimi_decode.cli import build_parser, main
 from kimi_decode.config import DecodeShape
@@ -54,3 +55,21 @@ def test_console_script_check():
     r = subprocess.run([sys.executable, "-m", "kimi_decode.cli", "check", "--tp", "4"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "unsupported tp: 4" in r.stderr
+
+
+def test_moe_refuses_a_malformed_executor_before_any_work(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["moe", "--executors", "stock,fused@bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "fused@bogus" in err and "got 'bogus'" in err and "fgemm / tgemm" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("argv", [["moe", "--executors", "stock,fused@fgemm-tgemm"], ["moe", "--breakdown"],
+                                  ["moe", "--trace", "--executors", "fused"],
+                                  ["sweep", "--executor", "stock", "--out", "unused.csv"]])
+def test_gpu_commands_say_they_need_a_gpu_without_a_traceback(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "Traceback" not in err

@@ -95,8 +95,8 @@ def split_front_options(variant: str | None) -> tuple[dict, str | None]:
     mma0 / mma: the front and tail GEMVs from MMA_MIN_TOKENS tokens on CUDA cores at m_tile 8 (the kernels before
     2026-12-07) / on tensor cores (the default; `MoEFrontKey.mma`, `MoETailKey.mma`, `tail_key_for`); rspread0 /
     rspread: above 8 tokens, the routing launch as one CTA (the kernel before 2026-12-07) / over one CTA per 16
-    tokens (the default; `MoERouteKey.spread`); mrowsR[wW]: the tensor-core front and tail at 64 tokens with R rows a
-    CTA over W warps (`MoEFrontKey.mma_rows`)."""
+    tokens (the default; `MoERouteKey.spread`); mrowsR[wW]: the tensor-core front and tail at m_tile 64 (9-512 tokens) with
+    R rows a CTA over W warps (`MoEFrontKey.mma_rows`)."""
     import re
 
     if not variant:
