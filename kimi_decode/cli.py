@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import LAYER_KINDS, DecodeShape, ShardSpec
@@ -175,8 +176,15 @@ def _cmd_moe(args) -> int:
 
 
 def _cmd_results(args) -> int:
-    from .measured import PROFILE_OVERHEAD_BOUNDS, markdown_table, profile_vs_graph, results_markdown
+    from .measured import PROFILE_OVERHEAD_BOUNDS, all_names, markdown_table, profile_vs_graph, results_markdown
 
+    if args.list is not None:
+        found = all_names(args.list)
+        print("\n".join(found) if found else f"no measured CSV matches {args.list!r}")
+        return 0 if found else 1
+    if args.name is None:
+        print("kimi-decode results: give a NAME (or --list [GLOB] to see them)", file=sys.stderr)
+        return 2
     if args.name == "profile-vs-graph":
         df = profile_vs_graph()
         print(markdown_table(df))
@@ -184,7 +192,11 @@ def _cmd_results(args) -> int:
         bad = df[(df.ratio < lo) | (df.ratio > hi)]
         print(f"\n{len(df) - len(bad)} of {len(df)} profiles within {lo}-{hi}x of the graph-replay time")
         return 0 if bad.empty else 1
-    print(results_markdown(args.name))
+    try:
+        print(results_markdown(args.name))
+    except FileNotFoundError as e:
+        print(f"kimi-decode results: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -344,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_moe)
 
     p = sub.add_parser("results", help="print a measured CSV (data/measured/NAME.csv) as the docs' markdown table")
-    p.add_argument("name", help="a CSV name, or profile-vs-graph (saved profiles' kernel sums vs graph replay)")
+    p.add_argument("name", nargs="?", help="a CSV name, or profile-vs-graph (saved profiles' kernel sums vs graph "
+                                            "replay)")
+    p.add_argument("--list", nargs="?", const="*", metavar="GLOB",
+                   help="list the measured CSVs' names (those matching GLOB, e.g. 'moe_half_*') instead")
     p.set_defaults(func=_cmd_results)
 
     p = sub.add_parser("profile", help="Nsight Compute profile of one decode step, one row per kernel (GPU)",
@@ -414,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UnsupportedConfiguration, GPURequired) as e:  # a request this machine or the matrix cannot serve
         print(f"kimi-decode {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the output piped into `head` and the like, which stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

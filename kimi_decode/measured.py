@@ -31,8 +31,18 @@ def load(name: str) -> pd.DataFrame:
     for path in (measured_dir() / f"{name}.csv", measured_dir() / f"{name}.csv.xz"):
         if path.exists():
             return pd.read_csv(path)
-    have = sorted({p.name.removesuffix(".xz").removesuffix(".csv") for p in measured_dir().glob("*.csv*")})
-    raise FileNotFoundError(f"no measured data {name + '.csv'!r} in {measured_dir()}; available: {have}")
+    import difflib
+
+    have = all_names()
+    close = difflib.get_close_matches(name, have, n=5, cutoff=0.6)
+    raise FileNotFoundError(f"no measured data {name + '.csv'!r} in {measured_dir()}; "
+                            + (f"closest available: {', '.join(close)}; " if close else "")
+                            + f"{len(have)} available (`kimi-decode results --list [GLOB]` lists them)")
+
+
+def all_names(pattern: str = "*") -> list[str]:
+    """Every name `load` takes that matches a glob (the plain CSVs and the compressed timelines), sorted."""
+    return sorted({p.name.removesuffix(".xz").removesuffix(".csv") for p in measured_dir().glob(f"{pattern}.csv*")})
 
 
 def provenance_summary(df: pd.DataFrame) -> str:

@@ -73,3 +73,12 @@ def test_gpu_commands_say_they_need_a_gpu_without_a_traceback(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "Traceback" not in err
+
+
+def test_results_lists_names_and_suggests_the_closest_for_a_typo(capsys):
+    assert main(["results", "--list", "moe_half_h200_*"]) == 0
+    assert "moe_half_h200_tp8" in capsys.readouterr().out.split()
+    assert main(["results", "moe_half_h200_tp9"]) == 2
+    err = capsys.readouterr().err
+    assert "closest available: moe_half_h200_tp8" in err and "Traceback" not in err
+    assert main(["results"]) == 2 and "--list" in capsys.readouterr().err
