@@ -194,7 +194,7 @@ class FusedMoE:
         persistent CTAs streaming the experts' bytes through a bulk-copy ring; gate/up on tensor cores; more
         tokens take the rings of `kernels/moe_wide.py`, whose items take up to 8 of an expert's tokens at a time:
         moe_up stages each chunk's z when it reaches it, moe_down's slots bring the chunk's a rows; their options
-        in `variant`: 'wsync', 'wstN', 'wupstN', 'wdownstN', 'wdownc16', 'wdownr128', 'wdownpf', 'wdownsh8', 'wzpar',
+        in `variant`: 'wsync', 'wstN', 'wupstN', 'wdownstN', 'wdownc16', 'wupc16', 'wdownr128', 'wdownpf', 'wdownsh8', 'wzpar',
         `moe_wide.parse_wide_options`),
         'direct' (`kernels/moe.py`: a CTA per expert row block, codes loaded into registers; the launch-shape
         variants apply to these), or 'pipe-up' (the pipelined gate/up with the direct down, up to PIPE_MAX_M

@@ -65,7 +65,8 @@ def make_moe_executor(name: str):
                                          "tring0, tringRxS, fring, fringRxS, cotail, tringco, skeys, foccN, fpdl, "
                                          "mma0, rspread0, mrowsR[wW]; kernels.moe.split_front_options), the wide "
                                          "expert kernels' above 8 tokens (wsync, wstN, wupstN, wdownstN, wdownc16, "
-                                         "wdownr128, wdownpf, wdownsh8, wzpar; moe_wide.parse_wide_options) and "
+                                         "wupc16, wdownr128, wdownpf, wdownsh8, wzpar; moe_wide.parse_wide_options) "
+                                         "and "
                                          "fgemm / tgemm (fused_moe.split_gemm_options)") from None
             else:
                 raise ValueError(f"variants apply to fused-direct (launch shapes, e.g. fused-direct@w4r2-w4r4e4s4) "

@@ -2098,6 +2098,14 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     from kimi_decode.kernels import moe_wide as mw
     assert mw.parse_wide_options("wsync-wupst4-pf1") == (dict(decoupled=False, stages=4), dict(decoupled=False), "pf1")
     assert mw.parse_wide_options("wdownc16") == ({}, dict(chunk=16), None)
+    assert mw.parse_wide_options("wupc16") == (dict(chunk=16, stages=2), {}, None)  # its z takes a slot's room
+    assert mw.parse_wide_options("wupc16-wdownc16") == (dict(chunk=16, stages=2), dict(chunk=16), None)
+    with pytest.raises(ValueError, match="shared memory"):
+        mw.parse_wide_options("wupc16-wupst3")
+    with pytest.raises(ValueError, match="wzpar"):
+        mw.parse_wide_options("wupc16-wzpar")
+    with pytest.raises(ValueError, match="8 or 16"):
+        mw.check_up_key(mw.MoEUpWideKey(km.shapes_for_tp(8), chunk=32, stages=2))
     assert mw.parse_wide_options("wdownr256") == ({}, dict(rows=256, stages=2), None)
     assert mw.parse_wide_options("wdownr128") == ({}, dict(rows=128, stages=3), None)
     assert mw.parse_wide_options("wdownr128-wdownst4-wdownsh8") == ({}, dict(rows=128, stages=4, shared_tokens=8), None)
@@ -2137,6 +2145,15 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     zpar = mw.MoEUpWideKey(s, z_parallel=True)  # all of a chunk's z loads in registers at once: no spills
     res = kc.resource_usage(zpar)
     assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+    # 'wupc16': an item's two super-blocks a warp against one column tile (16 mma) or, in a chunk of more than 8
+    # tokens, two tiles from the same decode (32 mma, the decode's multiplies by the scales not doubled); no spills
+    for tp in (8, 16):
+        c16, c8 = mw.MoEUpWideKey(km.shapes_for_tp(tp), chunk=16, stages=2), mw.MoEUpWideKey(km.shapes_for_tp(tp))
+        res = kc.resource_usage(c16)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0, res
+        sass, sass8 = kc.sass_text(c16), kc.sass_text(c8)
+        assert sass.count("HMMA") == 3 * sass8.count("HMMA") == 48
+        assert sass.count("HMUL2") == 2 * sass8.count("HMUL2")
 
 
 def test_wide_expert_kernels_refuse_bad_keys():
@@ -2173,13 +2190,14 @@ def test_wide_expert_kernels_match_the_reference_and_the_direct_ones(w8, tokens,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["wsync", "wupst4", "wdownc16", "wdownr128-wdownsh8", "wdownsh8-wdownpf", "wdownpf",
-                                     "wzpar", "wdownsh8"])
+                                     "wzpar", "wdownsh8", "wupc16", "wupc16-wdownc16"])
 @pytest.mark.parametrize("tokens", [9, 64, 512])
 def test_wide_options_match_the_reference(w8, variant, tokens):
     """The synchronous hand-over ('wsync'), moe_up's deeper ring ('wupst4'), moe_down's 16-token items ('wdownc16'), its
     128-row items with 8-token shared items ('wdownr128-wdownsh8', run 77's kernel), the next item's token ids and
     weights read ahead ('wdownpf', with 8-token shared items run 78's kernel), moe_up's z staged with its loads in
-    flight ('wzpar') and moe_down's 8-token shared items ('wdownsh8', run 80's default) give the reference too."""
+    flight ('wzpar'), moe_down's 8-token shared items ('wdownsh8', run 80's default) and moe_up's 16-token chunks
+    ('wupc16', alone and with moe_down's) give the reference too."""
     from kimi_decode.moe_bench import check_moe, moe_input
     x = moe_input(tokens, D, seed=340 + tokens, device="cuda")
     assert FusedMoE(w8, x, variant=variant).variant.endswith(f"wide@{variant}")
@@ -2201,6 +2219,31 @@ def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
         x = moe_input(tokens, D, seed=361 + tokens, device="cuda")
     a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wzpar")
     assert b.variant.endswith("wide@wzpar"), b.variant
+    a(), b()
+    torch.cuda.synchronize()
+    ka, ra = _a_by_pair(a)
+    kb, rb = _a_by_pair(b)
+    assert torch.equal(ka, kb) and torch.isfinite(ra).all() and torch.equal(ra, rb)
+    assert torch.equal(a.a_sh, b.a_sh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,same", [(9, False), (64, False), (300, False), (512, False), (9, True), (20, True),
+                                         (512, True)])
+def test_wide_up_chunks_of_16_tokens_give_the_same_activations(w8, tokens, same):
+    """moe_up (wide) with chunks of up to 16 tokens ('wupc16': one decode of an item's codes for two column tiles, the
+    second only in a chunk of more than 8 tokens) computes every (expert, token) pair's SiTU with the same mma
+    sequence as the 8-token chunks, so its a equals the default's bit for bit: with chunks of 1-16 tokens (random
+    routings), of exactly 9 and 16 (every token on the same 16 experts: 9 tokens, 20 = 16 + 4, 512 = 32 × 16)."""
+    from kimi_decode.moe_bench import moe_input
+    if same:
+        x = moe_input(1, D, seed=365, device="cuda").repeat(tokens, 1)
+    else:
+        x = moe_input(tokens, D, seed=366 + tokens, device="cuda")
+    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wupc16")
+    assert b.variant.endswith("wide@wupc16"), b.variant
+    for ex in (a, b):  # poisoned: every pair's row must be written
+        ex.a.fill_(float("nan"))
     a(), b()
     torch.cuda.synchronize()
     ka, ra = _a_by_pair(a)

@@ -35,7 +35,7 @@ barrier of its own and go on; the producer waits on it before the refill.
 
 Both take the token ids and routing weights a chunk needs from global memory (L2), not from staged tables, and
 the direct kernels' arguments (moe_down: moe_pipe's, `moe_pipe.down_pipe_args`): the executor calls either the
-same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wdownr128, wdownpf, wzpar,
+same way. Options (`parse_wide_options`): wsync, wstN, wupstN, wdownstN, wdownc16, wupc16, wdownr128, wdownpf, wzpar,
 wdownsh8.
 """
 
@@ -55,6 +55,11 @@ WARPS = 16  # moe_down's compute warps; warp WARPS is the producer
 DOWN_ROWS = (128, 256)  # moe_down's latent rows per expert item (256, the default: 16 row groups, one warp each, all of K)
 DOWN_STAGES = {256: 2, 128: 3}  # moe_down's ring slots by rows per item (the default's two slots hold 64 KB each)
 MAX_CHUNKS = E + TOPK * MAX_M // CHUNK  # chunks a step can have: one per active expert plus one per 8 more pairs
+
+
+def max_chunks(chunk: int = CHUNK) -> int:
+    """Chunks of up to `chunk` tokens a step can have: one per active expert plus one per `chunk` more pairs."""
+    return E + TOPK * MAX_M // chunk
 INFO_SHIFT = 5  # the chunk table's second word: expert id << INFO_SHIFT | the chunk's token count (up to 16)
 INFO_MASK = (1 << INFO_SHIFT) - 1
 
@@ -131,17 +136,23 @@ def down_wide_smem_bytes(key: MoEDownWideKey) -> int:
 # meta, the active experts, their (offset, count) lists, the chunk table (first pair; expert · 16 + tokens): what both
 # kernels keep in shared memory. The token ids and routing weights a chunk needs are read from global memory (L2)
 # when its item starts, so that nothing here grows with the tokens
-TABLE_PARTS = (16, 4 * E, 8 * E, 4 * MAX_CHUNKS, 4 * MAX_CHUNKS)
+TABLE_PARTS = (16, 4 * E, 8 * E, 4 * MAX_CHUNKS, 4 * MAX_CHUNKS)  # with chunks of 8 tokens (`table_parts`)
+
+
+def table_parts(chunk: int = CHUNK) -> tuple[int, ...]:
+    """Bytes of the tables `carve_tables` allocates for chunks of up to `chunk` tokens."""
+    n = max_chunks(chunk)
+    return (16, 4 * E, 8 * E, 4 * n, 4 * n)
 TABLE_BYTES = 16 + 12 * E  # what the prologue's bulk copy brings: meta, active experts, lists
 
 
-def tail_bytes(stages: int) -> tuple[int, ...]:
-    """TABLE_PARTS and the mbarriers (the ring's and the tables' copy) and the two-word flag that `carve_tables`
-    allocates after them: what both kernels' shared memory ends with."""
-    return (*TABLE_PARTS, 8 * stages + 8, 16)
+def tail_bytes(stages: int, chunk: int = CHUNK) -> tuple[int, ...]:
+    """The tables (`table_parts`), the mbarriers (the ring's and the tables' copy) and the two-word flag that
+    `carve_tables` allocates after them: what both kernels' shared memory ends with."""
+    return (*table_parts(chunk), 8 * stages + 8, 16)
 
 
-def carve_tables(smem, stages: int):
+def carve_tables(smem, stages: int, chunk: int = CHUNK):
     """(traced inline) the tables both kernels keep in shared memory, allocated from `smem` after their ring and
     sums: (meta, active experts, their lists, the chunk table's two words, `stages` + 1 mbarriers, a two-word flag:
     [0] a row block's completion, [1] the chunk count)."""
@@ -153,8 +164,8 @@ def carve_tables(smem, stages: int):
     return (smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=a),
             smem.allocate_tensor(Int32, cute.make_layout((E,)), byte_alignment=a),
             smem.allocate_tensor(Int32, cute.make_layout((E, 2), stride=(2, 1)), byte_alignment=a),
-            smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=a),
-            smem.allocate_tensor(Int32, cute.make_layout((MAX_CHUNKS,)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((max_chunks(chunk),)), byte_alignment=a),
+            smem.allocate_tensor(Int32, cute.make_layout((max_chunks(chunk),)), byte_alignment=a),
             smem.allocate_tensor(cutlass.Int64, cute.make_layout((stages + 1,)), byte_alignment=a),
             smem.allocate_tensor(Int32, cute.make_layout((2,)), byte_alignment=a))
 
@@ -605,6 +616,7 @@ def build_down_wide(key: MoEDownWideKey):
 # --------------------------------------------------------------------------- moe_up (wide)
 
 UP_ROWS = 8  # intermediate rows per moe_up item: the mma's A rows 0..7 (W1) and 8..15 (W3), as moe_pipe's RB_UP
+UP_STAGES = {8: 3, 16: 2}  # moe_up's ring slots by tokens per chunk ('wupc16': its z takes the third slot's room)
 UP_WARPS = 14  # moe_up's compute warps: warp w takes super-blocks w and w + 14 of a row's 28
 
 
@@ -616,7 +628,7 @@ class MoEUpWideKey:
     share of the shared experts' SiTU and of zeroing the latent partial and Σ r² (as moe.MoEUpKey)."""
 
     shape: MoEShape
-    stages: int = 3
+    stages: int = UP_STAGES[CHUNK]
     ctas: int = H200_SMS
     pdl: bool = False
     decode: int = 3
@@ -630,6 +642,11 @@ class MoEUpWideKey:
     # round trips a token; at batch 64 a chunk holds about 2.5 tokens). Run 79 (H100): 'wzpar' slower by about
     # 0.33-0.37 µs an item at 17, 64 and 512 tokens (moe_up 320.8 against 265.5 µs at batch 64), not explained
     z_parallel: bool = False
+    # an expert's tokens per item: 8 (one mma column tile) or 16 ('wupc16': the item's codes decoded once for two
+    # column tiles, the second only in a chunk of more than 8 tokens, so that an expert with 9-16 tokens reads its
+    # W1/W3 rows once instead of twice). The chunk's z (114.7 KB at 16 tokens) leaves room for 2 ring slots
+    # (`UP_STAGES`)
+    chunk: int = CHUNK
     arch: str = "sm_90a"
 
     @property
@@ -645,15 +662,19 @@ def up_slot_bytes(shape: MoEShape) -> tuple[int, int]:
 def up_wide_smem_bytes(key: MoEUpWideKey) -> int:
     w, s = up_slot_bytes(key.shape)
     parts = [key.stages * w, key.stages * s,
-             CHUNK * L * 2,  # the chunk's z (bf16)
-             (2 if key.decoupled else 1) * 4 * UP_WARPS * 32 * 4,  # each compute warp's mma sums of an item
-             *tail_bytes(key.stages)]
+             key.chunk * L * 2,  # the chunk's z (bf16)
+             (2 if key.decoupled else 1) * 4 * (key.chunk // CHUNK) * UP_WARPS * 32 * 4,  # the warps' sums of an item
+             *tail_bytes(key.stages, key.chunk)]
     return sum(-(-p // 128) * 128 for p in parts)
 
 
 def check_up_key(key: MoEUpWideKey) -> None:
     if key.shape.inter % UP_ROWS or (L // SB) != 2 * UP_WARPS:
         raise ValueError(f"moe_up (wide) needs {UP_ROWS}-row blocks and {2 * UP_WARPS} super-blocks per row")
+    if key.chunk not in (CHUNK, 2 * CHUNK):
+        raise ValueError(f"moe_up (wide) takes {CHUNK} or {2 * CHUNK} of an expert's tokens per item, got {key.chunk}")
+    if key.z_parallel and key.chunk != CHUNK:
+        raise ValueError("moe_up (wide) 'wzpar' stages chunks of 8 tokens: not with 'wupc16'")
     if key.z_parallel and (L // 8) % (32 * UP_WARPS):
         raise ValueError(f"moe_up (wide) 'wzpar' gives each compute thread whole 8-value blocks of a z row: L / 8 = "
                          f"{L // 8} is not a multiple of its {32 * UP_WARPS} threads")
@@ -668,9 +689,9 @@ def build_up_wide(key: MoEUpWideKey):
     from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint8, const_expr
 
     from .moe import _situ, expert_up_args, shared_situ_and_zeroing
-    from .moe_pipe import store_b_order, superblock_mma
-    from .mxfp4_decode import scale_pair
-    from .ptx_ops import bulk_g2s
+    from .moe_pipe import store_b_order, superblock_mma, z_chunk
+    from .mxfp4_decode import decode_pairs, scale_pair
+    from .ptx_ops import bulk_g2s, mma_bf16
 
     check_up_key(key)
     sh = key.shape
@@ -689,7 +710,40 @@ def build_up_wide(key: MoEUpWideKey):
     EPI_READY, EPI_DONE = 4, 6  # (decoupled) named barriers 4 + b: sums of buffer b written; 6 + b: read
     ZPAR = key.z_parallel
     ZCOLS = (L // 8) // CW  # (wzpar) 8-value column blocks of a z row per compute thread
+    CHK = key.chunk  # tokens per chunk
+    NT = CHK // CHUNK  # mma column tiles of a chunk
     bulk = bulk_g2s()
+
+    def superblock_mma2(acc0, acc1, wa, wb, sa, sb, sB, col, v0):
+        """(traced inline; 'wupc16') `superblock_mma` against two column tiles, tokens col and col + 8 of the chunk,
+        from one decode of the codes: the same mma sequence for each tile as one tile alone"""
+        pairs, mma = decode_pairs(key.decode), mma_bf16()
+        for bb in range(4):
+            b0 = sB[(None, (col, z_chunk(v0 + bb, False)))].load()
+            b1 = sB[(None, (col + CHUNK, z_chunk(v0 + bb, False)))].load()
+            pa = pairs(wa[bb], sa)
+            pb = pairs(wb[bb], sb)
+            for s in range(2):
+                a = [pa[s], pb[s], pa[s + 2], pb[s + 2]]
+                acc0 = mma(a, [b0[2 * s], b0[2 * s + 1]], acc0)
+                acc1 = mma(a, [b1[2 * s], b1[2 * s + 1]], acc1)
+        return acc0, acc1
+
+    def item_sums(gW, ring_s, sB, slot, warp, g, c, two):
+        """(traced inline) a compute warp's K part of an item: its two super-blocks of the 8 W1 and 8 W3 rows
+        against the chunk's first column tile, or with `two` ('wupc16') both tiles: 4 · (2 if two else 1) sums"""
+        acc, acc2 = [Float32(0.0)] * 4, [Float32(0.0)] * 4
+        for u in range(2):
+            q = warp + UP_WARPS * u
+            wa = gW[(None, (slot, g, 4 * q + c))].load()
+            wb = gW[(None, (slot, g + UP_ROWS, 4 * q + c))].load()
+            sa = scale_pair(Int32(ring_s[slot, g, 4 * q + c]))
+            sb = scale_pair(Int32(ring_s[slot, g + UP_ROWS, 4 * q + c]))
+            if two:
+                acc, acc2 = superblock_mma2(acc, acc2, wa, wb, sa, sb, sB, g, 16 * q + 4 * c)
+            else:
+                acc = superblock_mma(acc, wa, wb, sa, sb, sB, g, 16 * q + 4 * c, key.decode)
+        return acc + acc2 if two else acc
 
     @cute.jit
     def issue(k: Int32, slot: Int32, s_cinfo: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor,
@@ -714,17 +768,19 @@ def build_up_wide(key: MoEUpWideKey):
         """(one warp, inlined) sum the compute warps' K parts of an item from buffer b, then (with `release`, decoupled)
         give the buffer back on EPI_DONE + b, then SiTU of gate (row g) and up (row g + 8) of the chunk's tokens 2c,
         2c + 1 into a"""
-        tot = [kpart[b, 0, lane, r] for r in range(4)]
+        tot = [kpart[b, 0, lane, r] for r in range(4 * NT)]
         for w_ in cutlass.range_constexpr(1, UP_WARPS):
-            for r in cutlass.range_constexpr(4):
+            for r in cutlass.range_constexpr(4 * NT):
                 tot[r] = tot[r] + kpart[b, w_, lane, r]
         if release:
             cute.arch.barrier_arrive(barrier_id=EPI_DONE + b, number_of_threads=CW + 32)
         num = s_cinfo[ch] & INFO_MASK
         p0 = s_cpair[ch]
-        for x in cutlass.range_constexpr(2):
-            if 2 * c + x < num:
-                mA[p0 + 2 * c + x, rb * UP_ROWS + g] = _situ(tot[x], tot[2 + x], BETA, BETA_LIN).to(BFloat16)
+        for j in cutlass.range_constexpr(NT):  # column tile j: the chunk's tokens 8j + 2c, 8j + 2c + 1
+            for x in cutlass.range_constexpr(2):
+                if CHUNK * j + 2 * c + x < num:
+                    mA[p0 + CHUNK * j + 2 * c + x, rb * UP_ROWS + g] = _situ(tot[4 * j + x], tot[4 * j + 2 + x], BETA,
+                                                                             BETA_LIN).to(BFloat16)
 
     @cute.kernel
     def up_kernel(mF: cute.Tensor, mW1: cute.Tensor, mS1: cute.Tensor, mW3: cute.Tensor, mS3: cute.Tensor,
@@ -739,10 +795,11 @@ def build_up_wide(key: MoEUpWideKey):
                                       byte_alignment=128)
         ring_s = smem.allocate_tensor(Uint8, cute.make_layout((ST, 2 * UP_ROWS, ROW_SC), stride=(S_SLOT, ROW_SC, 1)),
                                       byte_alignment=128)
-        sz = smem.allocate_tensor(Int32, cute.make_layout((CHUNK, L // 2), stride=(L // 2, 1)), byte_alignment=128)
-        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, UP_WARPS, 32, 4), stride=(UP_WARPS * 128, 128, 4, 1)),
+        sz = smem.allocate_tensor(Int32, cute.make_layout((CHK, L // 2), stride=(L // 2, 1)), byte_alignment=128)
+        kpart = smem.allocate_tensor(Float32, cute.make_layout((NB, UP_WARPS, 32, 4 * NT),
+                                                               stride=(UP_WARPS * 128 * NT, 128 * NT, 4 * NT, 1)),
                                      byte_alignment=128)
-        s_meta, s_act, s_list, s_cpair, s_cinfo, bars, flag = carve_tables(smem, ST)
+        s_meta, s_act, s_list, s_cpair, s_cinfo, bars, flag = carve_tables(smem, ST, CHK)
         pbar = bars.iterator + ST
         gW = cute.zipped_divide(ring_w, (1, 1, 4))
         sB = cute.zipped_divide(sz, (1, 4))
@@ -763,7 +820,7 @@ def build_up_wide(key: MoEUpWideKey):
         cute.arch.mbarrier_wait(pbar, 0)
         nact = s_meta[0]
         if warp == UP_WARPS:
-            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane)
+            chunk_table()(s_act, s_list, s_cpair, s_cinfo, flag, nact, lane, CHK)
         cute.arch.barrier()
         n = NRB * flag[1]
         lo = (bx * n) // G  # this CTA's run of items, in (chunk, row block) order
@@ -808,25 +865,25 @@ def build_up_wide(key: MoEUpWideKey):
                     cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     cur = ch
                 cute.arch.mbarrier_wait(bars.iterator + slot, (i // ST) % 2)
-                acc = [Float32(0.0)] * 4
-                for u in cutlass.range_constexpr(2):
-                    q = warp + UP_WARPS * u
-                    wa = gW[(None, (slot, g, 4 * q + c))].load()
-                    wb = gW[(None, (slot, g + UP_ROWS, 4 * q + c))].load()
-                    sa = scale_pair(Int32(ring_s[slot, g, 4 * q + c]))
-                    sb = scale_pair(Int32(ring_s[slot, g + UP_ROWS, 4 * q + c]))
-                    acc = superblock_mma(acc, wa, wb, sa, sb, sB, g, 16 * q + 4 * c, key.decode)
+                if const_expr(NT == 1):
+                    acc = item_sums(gW, ring_s, sB, slot, warp, g, c, False)
+                else:  # 'wupc16': the second column tile only in a chunk of more than 8 tokens (warp-uniform)
+                    acc = [Float32(0.0)] * (4 * NT)
+                    if (s_cinfo[ch] & INFO_MASK) > CHUNK:
+                        acc = item_sums(gW, ring_s, sB, slot, warp, g, c, True)
+                    else:
+                        acc = item_sums(gW, ring_s, sB, slot, warp, g, c, False) + [Float32(0.0)] * 4
                 if const_expr(DEC):
                     # buffer b was last read for item i - 2 (the producer warp's arrival below); then hand over the
                     # sums, which also frees the slot. A warp's next arrival on EPI_READY + b is for item i + 2, after
                     # the producer has synced on this one (its EPI_DONE arrival for item i comes after that sync)
                     if i >= 2:
                         cute.arch.barrier(barrier_id=EPI_DONE + b, number_of_threads=CW + 32)
-                    for r in cutlass.range_constexpr(4):
+                    for r in cutlass.range_constexpr(4 * NT):
                         kpart[b, warp, lane, r] = acc[r]
                     cute.arch.barrier_arrive(barrier_id=EPI_READY + b, number_of_threads=CW + 32)
                 else:
-                    for r in cutlass.range_constexpr(4):
+                    for r in cutlass.range_constexpr(4 * NT):
                         kpart[0, warp, lane, r] = acc[r]
                     cute.arch.barrier(barrier_id=2, number_of_threads=CW)
                     if warp == 0:  # gate (row g) and up (row g + 8) of tokens 2c, 2c + 1: SiTU into a
@@ -858,8 +915,8 @@ def build_up_wide(key: MoEUpWideKey):
 def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
     """Take the wide kernels' options out of a '-'-joined variant: (MoEUpWideKey fields, MoEDownWideKey fields, the
     rest or None). Options: wsync (both kernels without the decoupled hand-over: a CTA barrier per item), wstN (both
-    kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 (moe_down takes 16 of an expert's tokens per
-    item), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
+    kernels' ring slots), wupstN / wdownstN (one kernel's), wdownc16 / wupc16 (moe_down / moe_up takes 16 of an
+    expert's tokens per item; moe_up then has 2 ring slots unless given), wdownr128 / wdownr256 (moe_down's 128-row items in 3 slots, run 77's / 256-row items in 2, the default),
     wdownpf0 / wdownpf (moe_down reads an item's token ids and weights at its start, the default / during the item
     before), wzpar / wzpar0 (moe_up stages a chunk's z with all its loads in flight / row by row, the default),
     wdownsh8 / wdownsh16 (moe_down's shared items take 8 tokens / 16, the default). They apply above
@@ -873,6 +930,8 @@ def parse_wide_options(text: str | None) -> tuple[dict, dict, str | None]:
             up["decoupled"] = down["decoupled"] = False
         elif part == "wdownc16":
             down["chunk"] = 2 * CHUNK
+        elif part == "wupc16":  # with its own ring depth unless one is given
+            up["chunk"], up["stages"] = 2 * CHUNK, up.get("stages", UP_STAGES[2 * CHUNK])
         elif m_sh := re.fullmatch(r"wdownsh(8|16)", part):
             down["shared_tokens"] = int(m_sh.group(1))
         elif m_z := re.fullmatch(r"wzpar([01]?)", part):
@@ -898,15 +957,18 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
     parts = []
     if not up.decoupled and not down.decoupled:
         parts.append("wsync")
-    down_default = DOWN_STAGES[down.rows]  # (each row count brings its ring depth)
+    down_default = DOWN_STAGES[down.rows]  # (each row count brings its ring depth, each chunk size moe_up's)
+    up_default = UP_STAGES[up.chunk]
     default_rows = MoEDownWideKey.rows
-    if up.stages == down.stages != MoEUpWideKey.stages and down_default == DOWN_STAGES[default_rows]:
+    if up.stages == down.stages != up_default and down_default == DOWN_STAGES[default_rows]:
         parts.append(f"wst{up.stages}")
     else:
-        if up.stages != MoEUpWideKey.stages:
+        if up.stages != up_default:
             parts.append(f"wupst{up.stages}")
         if down.stages != down_default:
             parts.append(f"wdownst{down.stages}")
+    if up.chunk != MoEUpWideKey.chunk:
+        parts.insert(0, f"wupc{up.chunk}")
     if down.chunk != MoEDownWideKey.chunk:
         parts.append(f"wdownc{down.chunk}")
     if down.shared_tokens != MoEDownWideKey.shared_tokens:
@@ -924,7 +986,7 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
 # against the current one; the 4-slot moe_down forms (wst4, wdownst4) fit 128-row items with 8-token shared items
 # only (run 77: no faster)
 AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownsh8", "wdownsh8-wdownpf", "wdownr128-wdownsh8", "wdownpf",
-                     "wzpar")  # built at TP8 without PDL (as the steps above 8 tokens run)
+                     "wzpar", "wupc16", "wupc16-wdownc16")  # built at TP8 without PDL (as the steps above 8 tokens run)
 AOT_WIDE_VARIANTS_TP16 = ("wdownsh8-wdownpf",)  # TP16's default before run 81 (run 80 timed both there)
 
 
