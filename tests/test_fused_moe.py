@@ -2154,6 +2154,8 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
         sass, sass8 = kc.sass_text(c16), kc.sass_text(c8)
         assert sass.count("HMMA") == 3 * sass8.count("HMMA") == 48
         assert sass.count("HMUL2") == 2 * sass8.count("HMUL2")
+    res = kc.resource_usage(mw.MoEUpWideKey(s, chunk=16, stages=2, decoupled=False))  # 'wsync-wupc16' builds too
+    assert res["STACK"] == 0 and res["LOCAL"] == 0, res
 
 
 def test_wide_expert_kernels_refuse_bad_keys():
@@ -2246,6 +2248,9 @@ def test_wide_up_chunks_of_16_tokens_give_the_same_activations(w8, tokens, same)
         ex.a.fill_(float("nan"))
     a(), b()
     torch.cuda.synchronize()
+    counts = b.list[:int(b.meta[0]), 1]
+    if tokens >= 300:  # distinct tokens in chunks of 9-16: the second tile's columns are the chunk's tokens 8..15
+        assert ((counts > 8) & (counts <= 16)).any(), counts
     ka, ra = _a_by_pair(a)
     kb, rb = _a_by_pair(b)
     assert torch.equal(ka, kb) and torch.isfinite(ra).all() and torch.equal(ra, rb)
