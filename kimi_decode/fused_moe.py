@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from .config import ShardSpec
-from .kernels.gemm import MIN_M as FRONT_GEMM_MIN_TOKENS  # 'fgemm': from here the front may run as the GEMM
+from .kernels.gemm import MIN_M as GEMM_MIN_TOKENS  # 'fgemm' / 'tgemm': from here the front / tail may run as the GEMM
 from .stock.launch import Launch
 from .weights import LayerWeights
 
@@ -91,7 +91,7 @@ GEMM_BM128_ABOVE = 256  # 'fgemm' / 'tgemm': 128 tokens a GEMM CTA above this ma
 
 def split_gemm_options(variant: str | None) -> tuple[bool, bool, str | None]:
     """Take 'fgemm' and 'tgemm' out of a '-'-joined variant: (front, tail, the rest or None). From
-    FRONT_GEMM_MIN_TOKENS tokens, 'fgemm' runs the front as the shared-memory GEMM of `kernels/gemm.py` (its output is
+    GEMM_MIN_TOKENS tokens, 'fgemm' runs the front as the shared-memory GEMM of `kernels/gemm.py` (its output is
     the front's fp32 [tokens, E + L + 2S] as it is; the routing has its own launch there) and 'tgemm' the tail (the
     same GEMM with the tail GEMV's epilogue: RMSNorm scale, shared all-reduce read, add, bf16), instead of the
     tensor-core GEMV, which reads its weights once per 64 tokens."""
@@ -166,7 +166,7 @@ class FusedMoE:
         variant: with experts='direct', the expert kernels' launch shape, e.g. 'w4r2-w4r4e4s4'
         (`kernels.moe.parse_variant`); with experts='pipe', options of the pipelined kernels, e.g. 'run17' (run 17's kernels) or
         'pf1-tail2048' (`kernels.moe_pipe.parse_pipe_variant`); None: the defaults. With either, 'fgemm' runs the
-        front from FRONT_GEMM_MIN_TOKENS tokens as the shared-memory GEMM of `kernels/gemm.py` and 'tgemm' the tail
+        front from GEMM_MIN_TOKENS tokens as the shared-memory GEMM of `kernels/gemm.py` and 'tgemm' the tail
         (`split_gemm_options`; neither yet measured), and 'foccN'
         (`kernels.moe.split_front_options`) builds the routing front kernel for N resident CTAs per SM (ptxas caps
         its registers); it applies at one token (m_tile 1) with routing in the front kernel, and the variant name
@@ -222,8 +222,8 @@ class FusedMoE:
             separate_routing = N > ROUTE_IN_FRONT_MAX
         self.separate_routing = separate_routing
         front_gemm, tail_gemm, variant = split_gemm_options(variant)
-        front_gemm = front_gemm and N >= FRONT_GEMM_MIN_TOKENS
-        tail_gemm = tail_gemm and N >= FRONT_GEMM_MIN_TOKENS
+        front_gemm = front_gemm and N >= GEMM_MIN_TOKENS
+        tail_gemm = tail_gemm and N >= GEMM_MIN_TOKENS
         route_kw, variant = km.split_front_options(variant)
         up_key, down_key, self.variant = expert_kernel_keys(shape, N, experts=experts, variant=variant, pdl=pdl,
                                                             arch=arch, trace=trace)

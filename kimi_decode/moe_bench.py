@@ -66,8 +66,7 @@ def make_moe_executor(name: str):
                                          "mma0, rspread0, mrowsR[wW]; kernels.moe.split_front_options), the wide "
                                          "expert kernels' above 8 tokens (wsync, wstN, wupstN, wdownstN, wdownc16, "
                                          "wupc16, wdownr128, wdownpf, wdownsh8, wzpar; moe_wide.parse_wide_options) "
-                                         "and "
-                                         "fgemm / tgemm (fused_moe.split_gemm_options)") from None
+                                         "and fgemm / tgemm (fused_moe.split_gemm_options)") from None
             else:
                 raise ValueError(f"variants apply to fused-direct (launch shapes, e.g. fused-direct@w4r2-w4r4e4s4) "
                                  f"and fused (options of the pipelined kernels, e.g. fused@run17), got {name!r}")
