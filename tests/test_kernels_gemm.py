@@ -149,7 +149,7 @@ def _tail_inputs(m, k, n, tp, seed):
 @pytest.mark.parametrize("m", [65, 200, 512])
 def test_tail_gemm_matches_its_fp32_epilogue(m, tp, bm, k, n):
     """The MoE tail's epilogue (RMSNorm scale, tp shared buffers with their weights, bf16) against the same
-    arithmetic in fp32 on the host side, every element written."""
+    arithmetic in fp32 by torch, every element written."""
     x, w, ssq, sh, coef = _tail_inputs(m, k, n, tp, seed=m + tp + bm + k)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     G.tail_gemm(x, w, ssq, sh, coef, out=out, bm=bm)
