@@ -2125,6 +2125,7 @@ def test_wide_options_parse_name_and_are_built_ahead_of_time(compiler):
     for v in mw.AOT_WIDE_VARIANTS_TP16:  # built at TP16, and named back the same
         up16, down16, name16 = expert_kernel_keys(s16, 64, variant=v, pdl=False)
         assert name16 == f"wide@{v}" and down16 in mw.DOWN_WIDE.aot_keys("sm_90a"), (v, name16)
+        assert up16 in mw.UP_WIDE.aot_keys("sm_90a"), (v, name16)
     assert mw.MoEDownWideKey(km.shapes_for_tp(8), rows=256).rows_per_item == 256
     assert mw.parse_wide_options(None) == ({}, {}, None)
     with pytest.raises(ValueError, match="shared memory"):
@@ -2288,8 +2289,8 @@ def test_wide_expert_kernels_match_the_reference_tp16(tokens):
 @pytest.mark.parametrize("variant", AOT_WIDE_VARIANTS_TP16)
 @pytest.mark.parametrize("tokens", [17, 64, 512])
 def test_wide_options_match_the_reference_tp16(variant, tokens):
-    """At TP16 the options built there (run 80's default, 8-token shared items with the read-ahead) give the reference
-    too."""
+    """At TP16 the options built there (run 80's default, 8-token shared items with the read-ahead; moe_up's 16-token
+    chunks) give the reference too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from kimi_decode.moe_bench import check_moe, moe_input

@@ -987,7 +987,8 @@ def wide_variant_name(up: MoEUpWideKey, down: MoEDownWideKey) -> str:
 # only (run 77: no faster)
 AOT_WIDE_VARIANTS = ("wsync", "wupst4", "wdownc16", "wdownsh8", "wdownsh8-wdownpf", "wdownr128-wdownsh8", "wdownpf",
                      "wzpar", "wupc16", "wupc16-wdownc16")  # built at TP8 without PDL (as the steps above 8 tokens run)
-AOT_WIDE_VARIANTS_TP16 = ("wdownsh8-wdownpf",)  # TP16's default before run 81 (run 80 timed both there)
+# TP16's default before run 81 (run 80 timed both there), and moe_up's 16-token chunks
+AOT_WIDE_VARIANTS_TP16 = ("wdownsh8-wdownpf", "wupc16")
 
 
 def _aot_keys(make):
