@@ -206,6 +206,25 @@ def _a_by_pair(ex):
     return keys[order], ex.a[rows[order]]
 
 
+def _wide_input(tokens, same, seed):
+    """A step's input: fresh random tokens, or (`same`) one token repeated, so every token picks the same 16 experts."""
+    from kimi_decode.moe_bench import moe_input
+    if same:
+        return moe_input(1, D, seed=seed, device="cuda").repeat(tokens, 1)
+    return moe_input(tokens, D, seed=seed + 1 + tokens, device="cuda")
+
+
+def _run_beside_the_default(w, x, variant):
+    """(default, variant) executors of one step on x, each run once with its moe_up output `a` NaN-poisoned."""
+    a, b = FusedMoE(w, x), FusedMoE(w, x, variant=variant)
+    assert b.variant.endswith(f"wide@{variant}"), b.variant
+    for ex in (a, b):
+        ex.a.fill_(float("nan"))
+    a(), b()
+    torch.cuda.synchronize()
+    return a, b
+
+
 def _same_up_to_summation_order(h, g):
     """Equal but for the order in which moe_down's expert-split CTAs add into the fp32 latent partial
     (`red.add`, in arrival order): at most one bf16 rounding step apart."""
@@ -2215,15 +2234,7 @@ def test_wide_z_staged_in_parallel_gives_the_same_activations(w8, tokens, same):
     same places for the chunk's tokens, so its output a (every (expert, token) pair's SiTU) equals the default's bit
     for bit, also where an expert has many chunks (`same`: every token on the same 16 experts) and with chunks of
     fewer than 8 tokens (9 tokens)."""
-    from kimi_decode.moe_bench import moe_input
-    if same:
-        x = moe_input(1, D, seed=360, device="cuda").repeat(tokens, 1)
-    else:
-        x = moe_input(tokens, D, seed=361 + tokens, device="cuda")
-    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wzpar")
-    assert b.variant.endswith("wide@wzpar"), b.variant
-    a(), b()
-    torch.cuda.synchronize()
+    a, b = _run_beside_the_default(w8, _wide_input(tokens, same, seed=360), "wzpar")
     ka, ra = _a_by_pair(a)
     kb, rb = _a_by_pair(b)
     assert torch.equal(ka, kb) and torch.isfinite(ra).all() and torch.equal(ra, rb)
@@ -2238,17 +2249,7 @@ def test_wide_up_chunks_of_16_tokens_give_the_same_activations(w8, tokens, same)
     second only in a chunk of more than 8 tokens) computes every (expert, token) pair's SiTU with the same mma
     sequence as the 8-token chunks, so its a equals the default's bit for bit: with chunks of 1-16 tokens (random
     routings), of exactly 9 and 16 (every token on the same 16 experts: 9 tokens, 20 = 16 + 4, 512 = 32 × 16)."""
-    from kimi_decode.moe_bench import moe_input
-    if same:
-        x = moe_input(1, D, seed=365, device="cuda").repeat(tokens, 1)
-    else:
-        x = moe_input(tokens, D, seed=366 + tokens, device="cuda")
-    a, b = FusedMoE(w8, x), FusedMoE(w8, x, variant="wupc16")
-    assert b.variant.endswith("wide@wupc16"), b.variant
-    for ex in (a, b):  # poisoned: every pair's row must be written
-        ex.a.fill_(float("nan"))
-    a(), b()
-    torch.cuda.synchronize()
+    a, b = _run_beside_the_default(w8, _wide_input(tokens, same, seed=365), "wupc16")  # a poisoned: all written
     counts = b.list[:int(b.meta[0]), 1]
     if tokens >= 300:  # distinct tokens in chunks of 9-16: the second tile's columns are the chunk's tokens 8..15
         assert ((counts > 8) & (counts <= 16)).any(), counts
